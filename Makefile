@@ -1,0 +1,40 @@
+# Two entry points: `make demo` and `make test`. Both install what they need and are idempotent.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+PLAN   ?= qualification/plans/calc-tool-cpu.yaml
+STAMP   = $(VENV)/.installed
+
+.PHONY: demo test test-fast bench schema lint clean system-deps
+
+# Host environment: the runner CLI, contracts, tasks/gates, test tools (no torch, no upstream stacks).
+$(STAMP): pyproject.toml contracts/pyproject.toml qualification/pyproject.toml
+	@command -v $(PYTHON) >/dev/null || $(MAKE) system-deps
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -e contracts -e qualification -e '.[test]'
+	touch $(STAMP)
+
+# Debian packages the suite needs (Python 3.11 with venv). Only runs apt when something is missing.
+system-deps:
+	@if ! command -v $(PYTHON) >/dev/null || ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11 python3.11-venv; fi
+
+demo: $(STAMP)
+	$(BIN)/runner stacks list
+	$(BIN)/runner qualify --stack trl --plan $(PLAN)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m 'not slow'
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_validate.py
+	$(BIN)/python bench/bench_overhead.py
+
+schema: $(STAMP)
+	$(BIN)/python -m runner_contracts.schema contracts/schema
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

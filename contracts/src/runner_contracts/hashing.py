@@ -1,0 +1,40 @@
+"""Canonical JSON and sha256 helpers; plan ids are sha256 of the canonical plan without `plan_id`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import msgspec
+
+from .records import Plan
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8, finite floats only."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def plan_id(plan: Plan) -> str:
+    body = msgspec.to_builtins(plan)
+    body.pop("plan_id", None)
+    return sha256_bytes(canonical_json(body))
+
+
+def freeze_plan(plan: Plan) -> Plan:
+    """The plan with its plan_id set."""
+    return msgspec.structs.replace(plan, plan_id=plan_id(plan))

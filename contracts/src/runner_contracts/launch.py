@@ -1,0 +1,51 @@
+"""Adapter launcher: `python -m runner_contracts.launch MODULE:ATTR REQUEST_JSON`.
+
+Imports the adapter entry lazily, runs it on the StageRequest and writes result.json to the request's
+out_dir. A failure is written as result.json with `error` set, its traceback goes to stderr, exit 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from pathlib import Path
+
+from .io import RecordError, read_record, write_record
+from .records import ErrorInfo, StageRequest, StageResult
+
+RESULT_FILE = "result.json"
+
+
+def load_entry(spec: str):
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"adapter entry must look like 'module:function', got {spec!r}")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m runner_contracts.launch MODULE:ATTR REQUEST_JSON", file=sys.stderr)
+        return 2
+    try:
+        request = read_record(args[1], StageRequest)
+    except (OSError, RecordError) as error:
+        print(f"cannot read stage request: {error}", file=sys.stderr)
+        return 2
+    out_dir = Path(request.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = load_entry(args[0])(request)
+    except Exception as error:  # the adapter's failure becomes evidence, not a lost traceback
+        traceback.print_exc()
+        write_record(out_dir / RESULT_FILE, StageResult(
+            stage=request.stage, error=ErrorInfo(kind=type(error).__name__, message=str(error))))
+        return 1
+    write_record(out_dir / RESULT_FILE, result)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,290 @@
+"""Contract v1 records. Field names are the spec: extend, don't rename; a changed meaning bumps `version`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+LogProb = Annotated[float, msgspec.Meta(le=0.0)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+SegmentSource = Literal["prompt", "policy", "tool", "env"]
+Outcome = Literal["success", "failure", "truncated", "error"]
+Status = Literal["passed", "failed", "error", "skipped"]
+StageName = Literal["probe", "service", "rollout", "update", "resume", "train", "evaluate"]
+
+
+class Record(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every record: `contract` names the record type, `version` its major version."""
+
+
+# --- plan.json -----------------------------------------------------------------------------------
+
+
+class SplitSpec(Record, kw_only=True):
+    split: str
+    n: Annotated[int, msgspec.Meta(ge=1)]
+    seed: int
+    family: str | None = None  # defaults to task.family; retention probes name their own family
+
+
+class TaskSpec(Record, kw_only=True):
+    family: str
+    train: SplitSpec
+    heldout: SplitSpec
+    retention: SplitSpec
+
+
+class PolicySpec(Record, kw_only=True):
+    kind: Literal["tiny", "path"]
+    path: str | None = None
+    sha256: Sha256 | None = None
+    revision: str | None = None
+    tiny: dict[str, Any] | None = None  # recipe overrides for kind=tiny (seed, sft_steps, ...)
+
+
+class RewardSpec(Record, kw_only=True):
+    scorer: str
+    version: int
+
+
+class SamplingSpec(Record, kw_only=True):
+    temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegInt = 0
+    max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 48
+    seed: int = 0
+
+
+class BudgetSpec(Record, kw_only=True):
+    steps: Annotated[int, msgspec.Meta(ge=1)]
+    prompts_per_step: Annotated[int, msgspec.Meta(ge=1)]
+    generations_per_prompt: Annotated[int, msgspec.Meta(ge=2)]
+    max_turns: Annotated[int, msgspec.Meta(ge=1)] = 3
+    wall_clock_s: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
+    gpus: NonNegInt = 0
+    learning_rate: Annotated[float, msgspec.Meta(gt=0)] = 1e-4
+
+
+class GateSpec(Record, kw_only=True):
+    logprob_tolerance: Annotated[float, msgspec.Meta(gt=0)] = 1e-3
+    update_steps: Annotated[int, msgspec.Meta(ge=1)] = 2
+    resume_kill_after_step: Annotated[int, msgspec.Meta(ge=1)] = 1
+    resume_steps: Annotated[int, msgspec.Meta(ge=2)] = 3
+    min_groups_with_variance: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+    retention_margin: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+    confidence: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.95
+
+
+class Plan(Record, kw_only=True):
+    contract: Literal["plan"] = "plan"
+    version: int = 1
+    name: str
+    task: TaskSpec
+    policy: PolicySpec
+    reward: RewardSpec
+    sampling: SamplingSpec
+    budget: BudgetSpec
+    seeds: list[int] = msgspec.field(default_factory=lambda: [0])
+    gates: GateSpec = msgspec.field(default_factory=GateSpec)
+    plan_id: Sha256 | None = None
+
+
+# --- trajectories.jsonl --------------------------------------------------------------------------
+
+
+class Segment(Record, kw_only=True):
+    source: SegmentSource
+    token_ids: list[TokenId]
+    logprobs: list[LogProb] | None = None  # policy segments only, one per token
+    text: str = ""
+
+
+class ErrorInfo(Record, kw_only=True):
+    kind: str
+    message: str
+
+
+class Trajectory(Record, kw_only=True):
+    contract: Literal["trajectory"] = "trajectory"
+    version: int = 1
+    run_id: str
+    stack: str
+    stage: str
+    step: NonNegInt
+    episode_id: str
+    task_id: str
+    group_id: str
+    sample_index: NonNegInt
+    policy_revision: str
+    segments: list[Segment]
+    reward: float
+    reward_components: dict[str, float] = msgspec.field(default_factory=dict)
+    outcome: Outcome
+    finish_reason: str
+    turns: NonNegInt
+    error: ErrorInfo | None = None
+    timing: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+# --- training.jsonl ------------------------------------------------------------------------------
+
+
+class TrainingRow(Record, kw_only=True):
+    """What the optimizer consumed. old_logprobs[i] is the trainer's logprob of input_ids[i] where
+    loss_mask[i] == 1 (0.0 elsewhere), computed with the weights that sampled the row."""
+
+    contract: Literal["training-row"] = "training-row"
+    version: int = 1
+    step: NonNegInt
+    row_id: str
+    episode_ids: list[str]
+    input_ids: list[TokenId]
+    loss_mask: list[Annotated[int, msgspec.Meta(ge=0, le=1)]]
+    advantage: float
+    old_logprobs: list[float] | None = None
+
+
+# --- evidence.json -------------------------------------------------------------------------------
+
+
+class Upstream(Record, kw_only=True):
+    name: str
+    version: str
+    git_revision: str | None = None
+
+
+class Hardware(Record, kw_only=True):
+    cpu: str = ""
+    cpu_count: int = 0
+    gpus: list[str] = msgspec.field(default_factory=list)
+
+
+class EnvironmentInfo(Record, kw_only=True):
+    engine: str
+    image: str | None = None
+    image_digest: str | None = None
+    python: str = ""
+    packages: dict[str, str] = msgspec.field(default_factory=dict)
+    lock_sha256: str | None = None
+    upstream: Upstream | None = None
+    hardware: Hardware = msgspec.field(default_factory=Hardware)
+    deviations: list[str] = msgspec.field(default_factory=list)
+
+
+class Artifact(Record, kw_only=True):
+    path: str
+    sha256: Sha256
+    bytes: NonNegInt
+    records: NonNegInt | None = None
+    partial: bool = False
+
+
+class Checkpoint(Record, kw_only=True):
+    step: NonNegInt
+    path: str
+    sha256: Sha256
+
+
+class GateResult(Record, kw_only=True):
+    name: str
+    passed: bool
+    measured: Any = None
+    threshold: Any = None
+    detail: str = ""
+
+
+class Evidence(Record, kw_only=True):
+    contract: Literal["evidence"] = "evidence"
+    version: int = 1
+    run_id: str
+    stack: str
+    stage: str
+    plan_id: str
+    status: Status
+    started_at: str
+    finished_at: str
+    environment: EnvironmentInfo | None = None
+    metrics: dict[str, Any] = msgspec.field(default_factory=dict)
+    artifacts: list[Artifact] = msgspec.field(default_factory=list)
+    checkpoints: list[Checkpoint] = msgspec.field(default_factory=list)
+    gates: list[GateResult] = msgspec.field(default_factory=list)
+    error: ErrorInfo | None = None
+
+
+# --- host <-> adapter ------------------------------------------------------------------------------
+
+
+class StageRequest(Record, kw_only=True):
+    """What the host asks an adapter to do; written to request.json in the stage's output folder."""
+
+    contract: Literal["stage-request"] = "stage-request"
+    version: int = 1
+    run_id: str
+    stack: str
+    stage: str  # a StageName, or an adapter job such as "build-policy"
+    plan: Plan
+    out_dir: str
+    policy_dir: str | None = None
+    steps: int | None = None
+    resume_from: str | None = None
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class StageResult(Record, kw_only=True):
+    """What the adapter reports back (result.json). The host trusts none of it for gates."""
+
+    contract: Literal["stage-result"] = "stage-result"
+    version: int = 1
+    stage: str
+    metrics: dict[str, Any] = msgspec.field(default_factory=dict)
+    environment: EnvironmentInfo | None = None
+    capabilities: list[str] = msgspec.field(default_factory=list)
+    files: dict[str, str] = msgspec.field(default_factory=dict)  # role -> path relative to out_dir
+    error: ErrorInfo | None = None
+
+
+class ServiceCase(Record, kw_only=True):
+    """One scripted episode of the service stage: what was said, what the stack scored."""
+
+    contract: Literal["service-case"] = "service-case"
+    version: int = 1
+    task_id: str
+    item: str  # TaskItem JSON
+    case: str
+    expected_success: bool
+    final_text: str
+    tool_calls: list[dict[str, Any]]
+    stack_reward: float
+    stack_components: dict[str, float] = msgspec.field(default_factory=dict)
+
+
+class EvalRecord(Record, kw_only=True):
+    """One evaluation episode (held-out or retention) of one policy."""
+
+    contract: Literal["eval-record"] = "eval-record"
+    version: int = 1
+    policy: Literal["base", "trained"]
+    split: str
+    task_id: str
+    item: str
+    final_text: str
+    tool_calls: list[dict[str, Any]]
+    stack_reward: float
+    success: bool
+    finish_reason: str
+
+
+RECORD_TYPES: dict[str, type[Record]] = {
+    "plan": Plan,
+    "trajectory": Trajectory,
+    "training-row": TrainingRow,
+    "evidence": Evidence,
+    "stage-request": StageRequest,
+    "stage-result": StageResult,
+    "service-case": ServiceCase,
+    "eval-record": EvalRecord,
+}
+SUPPORTED_VERSION = 1

@@ -1,0 +1,18 @@
+"""Gates: host-side audits over the files a stage wrote. Each returns GateResult records."""
+
+from .stages import (
+    COMPLETE_MARKER,
+    checkpoint_revisions,
+    evaluate_gates,
+    latest_complete_checkpoint,
+    lock_gate,
+    resume_gates,
+    service_gates,
+    update_gates,
+)
+from .trace import TraceAudit
+
+__all__ = [
+    "COMPLETE_MARKER", "TraceAudit", "checkpoint_revisions", "evaluate_gates", "latest_complete_checkpoint",
+    "lock_gate", "resume_gates", "service_gates", "update_gates",
+]

@@ -1,0 +1,193 @@
+"""Gates for the probe, service, update, resume and evaluate stages (host side, over files)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from runner_contracts import EvalRecord, GateResult, ServiceCase, Trajectory, TrainingRow, sha256_file
+
+from ..stats import compare_paired, non_inferior, rate_text
+from ..tasks import TaskItem, ToolCall, Transcript, get_family
+
+COMPLETE_MARKER = "COMPLETE"
+
+
+def lock_gate(installed: dict[str, str], locked: dict[str, str]) -> GateResult:
+    """Installed distributions must equal the lock: same names, same versions (a local label like +cpu
+    on the installed side is accepted when the lock pins the public version)."""
+    drift = []
+    for name, version in sorted(locked.items()):
+        have = installed.get(name)
+        if have is None:
+            drift.append(f"{name}: locked {version}, not installed")
+        elif have != version and have.split("+", 1)[0] != version:
+            drift.append(f"{name}: locked {version}, installed {have}")
+    ignored = {"pip", "runner-contracts", "runner-qualification"}
+    extra = sorted(name for name in installed if name not in locked and name not in ignored
+                   and not name.startswith("runner-stack-"))
+    drift += [f"{name}: installed {installed[name]}, not in the lock" for name in extra]
+    return GateResult(name="probe:lock-match", passed=not drift, measured=len(drift), threshold=0,
+                      detail="; ".join(drift) if drift else f"{len(locked)} locked distributions installed exactly")
+
+
+def service_gates(cases: list[ServiceCase]) -> list[GateResult]:
+    """Stack rewards equal the reference scorer; known-good cases succeed, known-bad fail; tool results
+    equal the reference tool implementation."""
+    mismatched, wrong_expectation, wrong_tools = [], [], []
+    for case in cases:
+        item = TaskItem.from_json(case.item)
+        family = get_family(item.family)
+        calls = [ToolCall(name=c["name"], arguments=c.get("arguments", {}), result=str(c.get("result", "")))
+                 for c in case.tool_calls]
+        for call in calls:
+            if call.result != family.call_tool(item, call.name, call.arguments):
+                wrong_tools.append(f"{case.task_id}/{case.case}: {call.name}({call.arguments}) -> {call.result!r}")
+        reference = family.score(item, Transcript(final_text=case.final_text, tool_calls=calls))
+        if not math.isclose(reference.reward, case.stack_reward, abs_tol=1e-9):
+            mismatched.append(f"{case.task_id}/{case.case}: stack {case.stack_reward} vs reference {reference.reward}")
+        if reference.success != case.expected_success:
+            wrong_expectation.append(f"{case.task_id}/{case.case}: expected success={case.expected_success}")
+    good = sum(1 for case in cases if case.expected_success)
+    return [
+        GateResult(name="service:reward-equals-reference", passed=bool(cases) and not mismatched,
+                   measured=len(mismatched), threshold=0,
+                   detail="; ".join(mismatched[:3]) or f"{len(cases)} scripted episodes scored identically"),
+        GateResult(name="service:known-answers", passed=bool(cases) and not wrong_expectation and 0 < good < len(cases),
+                   measured=len(wrong_expectation), threshold=0,
+                   detail="; ".join(wrong_expectation[:3]) or f"{good} known-good succeed, {len(cases) - good} known-bad fail"),
+        GateResult(name="service:tool-results", passed=not wrong_tools, measured=len(wrong_tools), threshold=0,
+                   detail="; ".join(wrong_tools[:3]) or "every tool result equals the reference tool"),
+    ]
+
+
+def checkpoint_revisions(checkpoint_dir: Path) -> tuple[dict[int, str], list[str]]:
+    """{step: sha256 of model.safetensors} for complete checkpoints, and the names of incomplete ones."""
+    complete, incomplete = {}, []
+    if not checkpoint_dir.is_dir():
+        return complete, incomplete
+    for folder in sorted(checkpoint_dir.glob("checkpoint-*")):
+        try:
+            step = int(folder.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        marker = folder / COMPLETE_MARKER
+        if not marker.is_file():
+            incomplete.append(folder.name)
+            continue
+        digest = sha256_file(folder / "model.safetensors")
+        claimed = marker.read_text().split()
+        if len(claimed) != 2 or claimed[1] != digest:
+            incomplete.append(folder.name)
+            continue
+        complete[step] = digest
+    return complete, incomplete
+
+
+def latest_complete_checkpoint(checkpoint_dir: Path) -> Path | None:
+    complete, _ = checkpoint_revisions(checkpoint_dir)
+    return checkpoint_dir / f"checkpoint-{max(complete)}" if complete else None
+
+
+def update_gates(losses: list[float], expected_steps: int, initial_revision: str,
+                 revisions: dict[int, str], incomplete: list[str]) -> list[GateResult]:
+    final = revisions.get(expected_steps)
+    finite = bool(losses) and all(math.isfinite(x) for x in losses)
+    return [
+        GateResult(name="update:loss-finite", passed=finite and len(losses) == expected_steps,
+                   measured=losses, threshold=f"{expected_steps} finite values",
+                   detail="loss per optimizer step as logged by the trainer"),
+        GateResult(name="update:checkpoints-complete", passed=sorted(revisions) == list(range(1, expected_steps + 1)),
+                   measured=sorted(revisions), threshold=f"1..{expected_steps}",
+                   detail=f"incomplete: {incomplete}" if incomplete else "every step's checkpoint carries its marker"),
+        GateResult(name="update:weights-changed", passed=final is not None and final != initial_revision,
+                   measured=(final or "")[:12], threshold=f"!= {initial_revision[:12]}",
+                   detail="sha256 of model.safetensors after the last step vs the starting policy"),
+    ]
+
+
+def _episode_key(t: Trajectory) -> tuple[int, str, int]:
+    # episode ids carry the stage name; order and identity across runs are (step, group, sample).
+    return t.step, t.group_id.rsplit("/", 1)[-1], t.sample_index
+
+
+def resume_gates(uninterrupted: list[Trajectory], interrupted: list[Trajectory], resumed: list[Trajectory],
+                 uninterrupted_rows: list[TrainingRow], resumed_rows: list[TrainingRow], kill_step: int,
+                 final_uninterrupted: str | None, final_resumed: str | None, ignored_partial: list[str]) -> list[GateResult]:
+    """The interrupted run (up to the kill) plus the resumed run must replay the uninterrupted run."""
+    stitched = [t for t in interrupted if t.step <= kill_step] + [t for t in resumed if t.step > kill_step]
+    order_a = [(_episode_key(t), t.task_id) for t in uninterrupted]
+    order_b = [(_episode_key(t), t.task_id) for t in stitched]
+    tokens_a = {_episode_key(t): [s.token_ids for s in t.segments] for t in uninterrupted}
+    tokens_b = {_episode_key(t): [s.token_ids for s in t.segments] for t in stitched}
+    differing = sorted(key for key in tokens_a if tokens_b.get(key) != tokens_a[key])
+    rows_a = [(r.step, r.input_ids, r.loss_mask) for r in uninterrupted_rows if r.step > kill_step]
+    rows_b = [(r.step, r.input_ids, r.loss_mask) for r in resumed_rows if r.step > kill_step]
+    replayed = [t for t in interrupted if t.step > kill_step]
+    return [
+        GateResult(name="resume:same-order", passed=order_a == order_b and bool(order_a),
+                   measured=len(order_b), threshold=len(order_a),
+                   detail="same (step, group, sample, task) sequence" if order_a == order_b else
+                   "episode order differs after resume"),
+        GateResult(name="resume:same-tokens", passed=not differing and rows_a == rows_b and bool(tokens_a),
+                   measured=len(differing), threshold=0,
+                   detail=(f"episodes with different tokens: {differing[:3]}" if differing else
+                           "identical tokens in every episode and training row")
+                   + (f"; {len(replayed)} episodes sampled before the kill in step {kill_step + 1} were discarded "
+                      "and regenerated" if replayed else "")),
+        GateResult(name="resume:same-final-weights", passed=final_uninterrupted is not None
+                   and final_uninterrupted == final_resumed,
+                   measured=(final_resumed or "")[:12], threshold=(final_uninterrupted or "")[:12],
+                   detail="sha256 of the final model.safetensors, resumed vs uninterrupted (CPU: exact)"),
+        GateResult(name="resume:partial-checkpoints-ignored", passed=True, measured=ignored_partial, threshold=None,
+                   detail=(f"ignored incomplete {ignored_partial}" if ignored_partial else
+                           "no partial checkpoint was left by the kill")),
+    ]
+
+
+def evaluate_gates(records: list[EvalRecord], margin: float, confidence: float) -> tuple[list[GateResult], dict]:
+    """Re-scores every episode, pairs base and trained on the same items, and states verdicts."""
+    rescored_wrong = []
+    by_split: dict[str, dict[str, dict[str, bool]]] = defaultdict(lambda: defaultdict(dict))
+    for record in records:
+        item = TaskItem.from_json(record.item)
+        calls = [ToolCall(name=c["name"], arguments=c.get("arguments", {}), result=str(c.get("result", "")))
+                 for c in record.tool_calls]
+        reference = get_family(item.family).score(item, Transcript(final_text=record.final_text, tool_calls=calls))
+        if reference.success != record.success:
+            rescored_wrong.append(f"{record.policy}/{record.task_id}")
+        by_split[record.split][record.policy][record.task_id] = reference.success
+    summary: dict[str, dict] = {}
+    gates = [GateResult(name="evaluate:scores-verified", passed=bool(records) and not rescored_wrong,
+                        measured=len(rescored_wrong), threshold=0,
+                        detail=f"re-scored {len(records)} episodes with the reference scorer")]
+    for split, policies in sorted(by_split.items()):
+        base, trained = policies.get("base", {}), policies.get("trained", {})
+        items = sorted(base)
+        if not items or set(base) != set(trained):
+            gates.append(GateResult(name=f"evaluate:{split}", passed=False, detail="base and trained were not "
+                                    "evaluated on the same items"))
+            continue
+        comparison = compare_paired([base[i] for i in items], [trained[i] for i in items], confidence)
+        summary[split] = {
+            "n": comparison.n, "base_k": comparison.base_k, "trained_k": comparison.trained_k,
+            "base": rate_text(comparison.base_k, comparison.n, confidence),
+            "trained": rate_text(comparison.trained_k, comparison.n, confidence),
+            "difference": comparison.difference, "difference_ci": list(comparison.difference_ci),
+            "p_value": comparison.p_value, "test": comparison.test, "verdict": comparison.verdict,
+        }
+        if split == "retention":
+            ok = non_inferior(comparison, margin)
+            gates.append(GateResult(
+                name="evaluate:retention", passed=ok, measured=round(comparison.difference_ci[0], 4),
+                threshold=f"> -{margin}",
+                detail=f"base {summary[split]['base']} -> trained {summary[split]['trained']}; non-inferiority on the "
+                       f"lower {confidence:.0%} bound of the paired difference"))
+        else:
+            gates.append(GateResult(
+                name=f"evaluate:{split}", passed=comparison.verdict != "regressed", measured=comparison.verdict,
+                threshold="not regressed",
+                detail=f"base {summary[split]['base']} -> trained {summary[split]['trained']}; "
+                       f"{comparison.test} p={comparison.p_value:.3g}"))
+    return gates, summary

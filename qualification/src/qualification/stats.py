@@ -1,0 +1,118 @@
+"""Honest statistics for small evaluation sets: intervals, paired tests, verdict words."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def wilson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for k successes in n trials."""
+    if n == 0:
+        return 0.0, 1.0
+    z = _z(confidence)
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Exact (Clopper-Pearson) interval, by bisection on the binomial tail."""
+    if n == 0:
+        return 0.0, 1.0
+    alpha = 1 - confidence
+    lower = 0.0 if k == 0 else _bisect(lambda p: _binom_sf(k, n, p) - alpha / 2)
+    upper = 1.0 if k == n else _bisect(lambda p: alpha / 2 - _binom_cdf(k, n, p))
+    return lower, upper
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value: b = base fail & trained pass, c = base pass & trained fail."""
+    m = b + c
+    if m == 0:
+        return 1.0
+    tail = _binom_cdf(min(b, c), m, 0.5)
+    return min(1.0, 2 * tail)
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    n: int
+    base_k: int
+    trained_k: int
+    improved_pairs: int  # base failed, trained succeeded
+    worsened_pairs: int  # base succeeded, trained failed
+    p_value: float
+    difference: float
+    difference_ci: tuple[float, float]
+    verdict: str  # improved | inconclusive | regressed
+    test: str = "exact McNemar (two-sided)"
+
+
+def compare_paired(base: list[bool], trained: list[bool], confidence: float = 0.95) -> PairedComparison:
+    """Base vs trained on the same items. The CI of the difference is exact, conditional on the
+    discordant pairs (Clopper-Pearson on b/(b+c), scaled by (b+c)/n)."""
+    if len(base) != len(trained):
+        raise ValueError(f"paired comparison needs equal lengths, got {len(base)} and {len(trained)}")
+    n = len(base)
+    b = sum(1 for x, y in zip(base, trained, strict=True) if not x and y)
+    c = sum(1 for x, y in zip(base, trained, strict=True) if x and not y)
+    m = b + c
+    p_value = mcnemar_exact(b, c)
+    difference = (b - c) / n if n else 0.0
+    if m == 0 or n == 0:
+        ci = (0.0, 0.0)
+    else:
+        low, high = clopper_pearson(b, m, confidence)
+        ci = (m / n * (2 * low - 1), m / n * (2 * high - 1))
+    alpha = 1 - confidence
+    verdict = "inconclusive"
+    if p_value < alpha:
+        verdict = "improved" if b > c else "regressed"
+    return PairedComparison(n=n, base_k=sum(base), trained_k=sum(trained), improved_pairs=b, worsened_pairs=c,
+                            p_value=p_value, difference=difference, difference_ci=ci, verdict=verdict)
+
+
+def non_inferior(comparison: PairedComparison, margin: float) -> bool:
+    """Retention holds when the lower bound of (trained - base) is above -margin."""
+    return comparison.difference_ci[0] > -margin
+
+
+def rate_text(k: int, n: int, confidence: float = 0.95) -> str:
+    low, high = wilson(k, n, confidence)
+    return f"{k}/{n} ({k / n:.0%}, {confidence:.0%} CI {low:.0%}-{high:.0%})" if n else "0/0"
+
+
+def _z(confidence: float) -> float:
+    # Inverse normal CDF by bisection on erf; exact enough for interval widths.
+    target = 1 - (1 - confidence) / 2
+    return _bisect(lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2))) - target, 0.0, 10.0)
+
+
+def _binom_pmf(i: int, n: int, p: float) -> float:
+    if p in (0.0, 1.0):
+        return float((p == 0.0 and i == 0) or (p == 1.0 and i == n))
+    return math.exp(math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1)
+                    + i * math.log(p) + (n - i) * math.log1p(-p))
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    return min(1.0, sum(_binom_pmf(i, n, p) for i in range(0, k + 1)))
+
+
+def _binom_sf(k: int, n: int, p: float) -> float:
+    """P(X >= k)."""
+    return min(1.0, sum(_binom_pmf(i, n, p) for i in range(k, n + 1)))
+
+
+def _bisect(f, low: float = 0.0, high: float = 1.0, iterations: int = 100) -> float:
+    f_low = f(low)
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        f_mid = f(mid)
+        if (f_mid > 0) == (f_low > 0):
+            low, f_low = mid, f_mid
+        else:
+            high = mid
+    return (low + high) / 2

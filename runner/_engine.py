@@ -1,0 +1,236 @@
+"""The local engine: one virtualenv per stack, keyed by lock hash, under the user cache.
+
+The heavy part (the stack's lock) is installed once per (lock, Python); our own small packages
+(contracts, tasks, the adapter) are reinstalled whenever their content hash changes. Adapters run as a
+subprocess in their own process group, with an allow-listed environment, cwd in their output folder,
+logs to files, and a wall-clock limit that kills the whole group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from runner_contracts import StageRequest, write_record
+
+from ._errors import EngineError
+from ._paths import cache_dir, local_packages
+from ._stacks import StackManifest
+
+ENV_MARKER = ".runner-env.json"
+LOCAL_MARKER = ".runner-local.json"
+# Variables a stack process may see; everything else of the caller's environment is dropped.
+PASSTHROUGH = ("LANG", "LC_ALL", "TZ", "SSL_CERT_FILE", "PIP_CERT", "PIP_INDEX_URL", "PIP_FIND_LINKS")
+FIXED_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_NUM_THREADS": "2",
+    "MKL_NUM_THREADS": "2",
+    "PYTHONHASHSEED": "0",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONUNBUFFERED": "1",
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+    "TRL_EXPERIMENTAL_SILENCE": "1",
+    "WANDB_MODE": "disabled",
+}
+
+
+@dataclass(frozen=True)
+class StackEnvironment:
+    manifest: StackManifest
+    path: Path
+    python_version: str
+    lock_sha256: str
+
+    @property
+    def python(self) -> Path:
+        return self.path / "bin" / "python"
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    exit_code: int | None
+    killed: bool
+    timed_out: bool
+    seconds: float
+    stdout: Path
+    stderr: Path
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.killed and not self.timed_out
+
+
+def find_python(version: str) -> tuple[Path, str]:
+    """An interpreter whose version starts with `version` (e.g. "3.11"), and its full version."""
+    candidates = [shutil.which(f"python{version}"), f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
+    candidates += sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}")),
+                         reverse=True)
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            full = subprocess.run([candidate, "-c", "import platform; print(platform.python_version())"],
+                                  capture_output=True, text=True, check=False).stdout.strip()
+            if full.startswith(version + ".") or full == version:
+                return Path(candidate), full
+    raise EngineError(f"no Python {version} interpreter found (looked for python{version} on PATH, /usr/bin, "
+                      "~/.pyenv/versions); install it or change the stack's manifest")
+
+
+def tree_hash(roots: list[Path]) -> str:
+    """sha256 over the source files (path + bytes) of our local packages, build outputs excluded."""
+    digest = hashlib.sha256()
+    for root in roots:
+        for path in sorted(root.rglob("*")):
+            rel = path.relative_to(root).as_posix()
+            if not path.is_file() or any(part.endswith(".egg-info") or part in ("build", "__pycache__")
+                                         for part in path.relative_to(root).parts):
+                continue
+            digest.update(f"{root.name}/{rel}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _run_logged(cmd: list[str], log: Path, what: str) -> None:
+    with open(log, "a") as handle:
+        handle.write(f"$ {' '.join(cmd)}\n")
+        handle.flush()
+        result = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False)
+    if result.returncode != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        raise EngineError(f"{what} failed (exit {result.returncode}); log: {log}\n{tail}")
+
+
+def scrubbed_env(python_bin_dir: Path, home: Path) -> dict[str, str]:
+    env = {key: os.environ[key] for key in PASSTHROUGH if key in os.environ}
+    env.update(FIXED_ENV)
+    env.setdefault("LANG", "C.UTF-8")
+    env["PATH"] = f"{python_bin_dir}:/usr/local/bin:/usr/bin:/bin"
+    env["HOME"] = str(home)
+    env["HF_HOME"] = str(home / "hf")
+    env["XDG_CACHE_HOME"] = str(home / "cache")
+    env["TMPDIR"] = str(home / "tmp")
+    (home / "tmp").mkdir(parents=True, exist_ok=True)
+    return env
+
+
+class LocalEngine:
+    """Per-stack virtualenvs on this host (the embedded default)."""
+
+    name = "local"
+
+    def __init__(self, cache_root: Path | None = None, log: Callable[[str], None] = lambda message: None):
+        self.root = (cache_root or cache_dir()) / "envs"
+        self.log = log
+
+    def environment_key(self, manifest: StackManifest, python_version: str) -> str:
+        digest = hashlib.sha256(manifest.lock.read_bytes())
+        digest.update(f"\0{python_version}\0{platform.machine()}\0{sys.platform}".encode())
+        return digest.hexdigest()[:16]
+
+    def prepare(self, manifest: StackManifest) -> StackEnvironment:
+        """Builds or reuses the stack's environment and brings our local packages up to date."""
+        interpreter, python_version = find_python(manifest.python)
+        key = self.environment_key(manifest, python_version)
+        path = self.root / f"{manifest.name}-{key}"
+        log = self.root / f"{manifest.name}-{key}.build.log"
+        with _file_lock(self.root / f"{manifest.name}-{key}.lock"):
+            if not (path / ENV_MARKER).is_file():
+                self.log(f"building {manifest.name} environment (Python {python_version}, lock "
+                         f"{manifest.lock_sha256[:12]}) in {path}")
+                shutil.rmtree(path, ignore_errors=True)
+                log.write_text("")
+                _run_logged([str(interpreter), "-m", "venv", str(path)], log, "creating the virtualenv")
+                _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps",
+                             "--disable-pip-version-check", "-r", str(manifest.lock)], log,
+                            f"installing the {manifest.name} lock")
+                marker = {"lock_sha256": manifest.lock_sha256, "python": python_version, "built_at": time.time()}
+                (path / ENV_MARKER).write_text(json.dumps(marker))
+            else:
+                self.log(f"reusing {manifest.name} environment {path}")
+            sources = [*local_packages().values(), manifest.adapter_package]
+            source_hash = tree_hash(sources)
+            marker_path = path / LOCAL_MARKER
+            if not marker_path.is_file() or json.loads(marker_path.read_text()).get("sha256") != source_hash:
+                self.log(f"installing contracts, tasks and the {manifest.name} adapter into {path.name}")
+                _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+                             "--force-reinstall", "--disable-pip-version-check", "--no-cache-dir",
+                             *map(str, sources)], log, "installing local packages")
+                marker_path.write_text(json.dumps({"sha256": source_hash}))
+        return StackEnvironment(manifest=manifest, path=path, python_version=python_version,
+                                lock_sha256=manifest.lock_sha256)
+
+    def run(self, env: StackEnvironment, request: StageRequest, *, timeout_s: float,
+            kill_when: Callable[[], bool] | None = None) -> RunOutcome:
+        """Runs the adapter on `request` in its output folder; kills the group on timeout or `kill_when()`."""
+        out_dir = Path(request.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        request_path = write_record(out_dir / "request.json", request)
+        stdout, stderr = out_dir / "stdout.log", out_dir / "stderr.log"
+        cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
+        started = time.monotonic()
+        killed = timed_out = False
+        with open(stdout, "wb") as out, open(stderr, "wb") as err:
+            process = subprocess.Popen(cmd, cwd=out_dir, env=scrubbed_env(env.path / "bin", out_dir / ".home"),
+                                       stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                while True:
+                    try:
+                        process.wait(timeout=0.05)
+                        break
+                    except subprocess.TimeoutExpired:
+                        pass
+                    if kill_when is not None and kill_when():
+                        killed = True
+                        _kill_group(process)
+                    elif time.monotonic() - started > timeout_s:
+                        timed_out = True
+                        _kill_group(process)
+            except BaseException:
+                _kill_group(process)
+                raise
+        shutil.rmtree(out_dir / ".home", ignore_errors=True)
+        return RunOutcome(exit_code=process.returncode, killed=killed, timed_out=timed_out,
+                          seconds=time.monotonic() - started, stdout=stdout, stderr=stderr)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the adapter's process group (one we started, in its own session)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def last_error_lines(path: Path, lines: int = 8) -> str:
+    if not path.is_file():
+        return ""
+    text = path.read_text(errors="replace").splitlines()
+    interesting = [line for line in text if not re.search(r"Warning|warnings.warn|it/s\]", line)]
+    return "\n".join(interesting[-lines:])

@@ -1,0 +1,96 @@
+"""Policies: the tiny CPU policy (built inside the trl stack's environment, cached by content) or a
+checkpoint directory given by path. The host only hashes files; it never loads weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from runner_contracts import Plan, PolicySpec, StageRequest, canonical_json, freeze_plan, sha256_file
+
+from ._engine import LocalEngine, last_error_lines, tree_hash
+from ._errors import EngineError, UserError
+from ._paths import cache_dir, local_packages
+from ._stacks import StackManifest, all_stacks
+
+WEIGHTS = "model.safetensors"
+BUILD_TIMEOUT_S = 3600
+
+
+def policy_builder() -> StackManifest:
+    for manifest in all_stacks().values():
+        if "build-policy" in manifest.capabilities:
+            return manifest
+    raise UserError("no stack declares the build-policy capability (the trl stack does)")
+
+
+def _recipe_key(recipe: dict[str, Any], manifest: StackManifest) -> str:
+    digest = hashlib.sha256(canonical_json(recipe))
+    digest.update(manifest.lock_sha256.encode())
+    digest.update(tree_hash([*local_packages().values(), manifest.adapter_package]).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_tiny(engine: LocalEngine, recipe: dict[str, Any], plan: Plan) -> Path:
+    """The cached tiny policy for `recipe`, building it first if needed. Same recipe, same bytes."""
+    manifest = policy_builder()
+    key = _recipe_key(recipe, manifest)
+    final = cache_dir() / "policies" / f"tiny-{key}"
+    if (final / WEIGHTS).is_file():
+        return final
+    env = engine.prepare(manifest)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".tiny-{key}-", dir=final.parent))
+    try:
+        request = StageRequest(run_id=f"policy-{key}", stack=manifest.name, stage="build-policy", plan=plan,
+                               out_dir=str(work), options={"recipe": recipe})
+        outcome = engine.run(env, request, timeout_s=BUILD_TIMEOUT_S)
+        if not outcome.ok or not (work / "policy" / WEIGHTS).is_file():
+            raise EngineError(f"building the tiny policy failed; logs in {work}\n{last_error_lines(outcome.stderr)}")
+        shutil.copy(work / "stderr.log", work / "policy" / "build.log")
+        (work / "policy").rename(final)
+    except BaseException:
+        if (final / WEIGHTS).is_file():
+            shutil.rmtree(work, ignore_errors=True)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+def resolve_policy(plan: Plan, engine: LocalEngine) -> Plan:
+    """The plan with policy.path and policy.sha256 filled in and plan_id set (the frozen plan)."""
+    spec = plan.policy
+    if spec.kind == "tiny":
+        path = build_tiny(engine, dict(spec.tiny or {}), plan)
+    else:
+        if not spec.path:
+            raise UserError("plan field policy.path: required when policy.kind is 'path'")
+        path = Path(spec.path).expanduser().resolve()
+        if not (path / WEIGHTS).is_file():
+            raise UserError(f"plan field policy.path: {path} has no {WEIGHTS}")
+    digest = sha256_file(path / WEIGHTS)
+    if spec.kind == "path" and spec.sha256 and spec.sha256 != digest:
+        raise UserError(f"plan field policy.sha256: {path / WEIGHTS} has sha256 {digest}, the plan pins {spec.sha256}")
+    policy = msgspec.structs.replace(spec, path=str(path), sha256=digest, revision=spec.revision or digest[:12])
+    return freeze_plan(msgspec.structs.replace(plan, policy=policy, plan_id=None))
+
+
+def vocab_size(policy_dir: Path) -> int:
+    config = json.loads((policy_dir / "config.json").read_text())
+    return int(config["vocab_size"])
+
+
+def default_plan_for_policy() -> Plan:
+    """A minimal plan for building a policy outside a qualification (the adapter needs one)."""
+    from runner_contracts import BudgetSpec, RewardSpec, SamplingSpec, SplitSpec, TaskSpec
+
+    split = SplitSpec(split="train", n=1, seed=0)
+    return Plan(name="policy-build", task=TaskSpec(family="calc-tool", train=split, heldout=split, retention=split),
+                policy=PolicySpec(kind="tiny"), reward=RewardSpec(scorer="calc-tool", version=1),
+                sampling=SamplingSpec(), budget=BudgetSpec(steps=1, prompts_per_step=1, generations_per_prompt=2))

@@ -1,0 +1,121 @@
+"""Reports: a gate table for the terminal, report.md and summary.json for a run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from rich.table import Table
+
+from runner_contracts import Evidence, Plan, read_record, write_atomic
+
+from ._errors import UserError
+from ._qualify import STAGES
+
+STATUS_STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "dim"}
+
+
+def load_run(run_dir: Path) -> tuple[Plan, list[Evidence]]:
+    if not (run_dir / "plan.json").is_file():
+        raise UserError(f"{run_dir}: not a run directory (no plan.json)")
+    plan = read_record(run_dir / "plan.json", Plan)
+    evidence = [read_record(run_dir / "stages" / stage / "evidence.json", Evidence)
+                for stage in STAGES if (run_dir / "stages" / stage / "evidence.json").is_file()]
+    return plan, evidence
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, list) and len(value) > 4:
+        return f"[{', '.join(_short(v) for v in value[:4])}, ...]"
+    text = str(value) if value is not None else ""
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def gate_table(evidence: list[Evidence], title: str) -> Table:
+    table = Table(title=title, show_lines=False)
+    for column in ("stage", "status", "gate", "measured", "threshold"):
+        table.add_column(column)
+    for record in evidence:
+        style = STATUS_STYLE[record.status]
+        if not record.gates:
+            detail = record.error.message if record.error else ""
+            table.add_row(record.stage, f"[{style}]{record.status}[/]", detail[:80], "", "")
+            continue
+        for index, gate in enumerate(record.gates):
+            mark = "[green]ok[/]" if gate.passed else "[red]FAIL[/]"
+            table.add_row(record.stage if index == 0 else "", f"[{style}]{record.status}[/]" if index == 0 else "",
+                          f"{mark} {gate.name}", _short(gate.measured), _short(gate.threshold))
+    return table
+
+
+def summary(plan: Plan, evidence: list[Evidence]) -> dict[str, Any]:
+    by_stage = {e.stage: e for e in evidence}
+    evaluate = by_stage.get("evaluate")
+    train = by_stage.get("train")
+    update = by_stage.get("update")
+    return {
+        "plan_id": plan.plan_id,
+        "plan": plan.name,
+        "stack": evidence[0].stack if evidence else None,
+        "passed": bool(evidence) and all(e.status == "passed" for e in evidence),
+        "stages": {e.stage: e.status for e in evidence},
+        "failed_gates": [f"{e.stage}:{g.name}" for e in evidence for g in e.gates if not g.passed],
+        "errors": {e.stage: msgspec.to_builtins(e.error) for e in evidence if e.error and e.status == "error"},
+        "time_to_first_reproducible_update_s": update.metrics.get("time_to_first_reproducible_update_s") if update else None,
+        "reward_per_step": train.metrics.get("reward_per_step") if train else None,
+        "max_logprob_gap": max((e.metrics.get("max_logprob_gap", 0.0) for e in evidence), default=None),
+        "evaluation": {k: v for k, v in (evaluate.metrics.items() if evaluate else []) if isinstance(v, dict)},
+        "environment": msgspec.to_builtins(evidence[0].environment) if evidence and evidence[0].environment else None,
+    }
+
+
+def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
+    env = data.get("environment") or {}
+    upstream = env.get("upstream") or {}
+    lines = [
+        f"# Qualification report: {data['stack']} on {plan.name}",
+        "",
+        f"- plan_id: `{plan.plan_id}`",
+        f"- verdict: **{'all gates passed' if data['passed'] else 'did not qualify'}**",
+        f"- policy: {plan.policy.kind} `{(plan.policy.sha256 or '')[:16]}`",
+        f"- environment: engine {env.get('engine')}, Python {env.get('python')}, "
+        f"{upstream.get('name')} {upstream.get('version')}, lock `{(env.get('lock_sha256') or '')[:16]}`",
+        f"- time to first reproducible update: {data.get('time_to_first_reproducible_update_s')} s",
+        "",
+        "## Gates",
+        "",
+        "| stage | status | gate | passed | measured | threshold | detail |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for record in evidence:
+        if not record.gates:
+            lines.append(f"| {record.stage} | {record.status} | | | | | {record.error.message if record.error else ''} |")
+        for gate in record.gates:
+            detail = gate.detail.replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {record.stage} | {record.status} | {gate.name} | {'yes' if gate.passed else 'NO'} | "
+                         f"{_short(gate.measured)} | {_short(gate.threshold)} | {detail} |")
+    if data.get("reward_per_step"):
+        lines += ["", "## Mean reward per training step", "", "| step | mean reward |", "|---|---|"]
+        lines += [f"| {step} | {reward:.3f} |" for step, reward in data["reward_per_step"].items()]
+    if data.get("evaluation"):
+        lines += ["", "## Evaluation (greedy decoding, same items for base and trained)", "",
+                  "| split | base | trained | difference (CI) | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+        for split, row in data["evaluation"].items():
+            low, high = row["difference_ci"]
+            lines.append(f"| {split} | {row['base']} | {row['trained']} | {row['difference']:+.3f} "
+                         f"({low:+.3f}..{high:+.3f}) | {row['test']} | {row['p_value']:.3g} | {row['verdict']} |")
+        lines += ["", "Small evaluation sets rarely separate base and trained; 'inconclusive' means the "
+                  "data cannot tell them apart at this confidence, not that nothing changed."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(run_dir: Path) -> dict[str, Any]:
+    plan, evidence = load_run(run_dir)
+    data = summary(plan, evidence)
+    write_atomic(run_dir / "report.md", markdown(plan, evidence, data).encode())
+    write_atomic(run_dir / "summary.json", json.dumps(data, indent=2, sort_keys=True).encode() + b"\n")
+    return data

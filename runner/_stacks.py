@@ -1,0 +1,105 @@
+"""The stack registry: one stack.toml manifest per folder under stacks/. Nothing here imports upstream code."""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ._errors import UserError
+from ._paths import stacks_dir
+
+
+@dataclass(frozen=True)
+class Upstream:
+    name: str
+    version: str
+    git_revision: str | None = None
+
+
+@dataclass(frozen=True)
+class StackManifest:
+    name: str
+    description: str
+    python: str
+    lock: Path
+    adapter: str  # lazy "module:function" entry, resolved inside the stack environment
+    adapter_package: Path
+    upstream: Upstream
+    stages: tuple[str, ...]
+    capabilities: tuple[str, ...] = field(default_factory=tuple)
+    folder: Path = Path()
+
+    @property
+    def lock_sha256(self) -> str:
+        return hashlib.sha256(self.lock.read_bytes()).hexdigest()
+
+    def locked_packages(self) -> dict[str, str]:
+        """name -> version from the lock (name normalised, local version label kept)."""
+        return parse_lock(self.lock)
+
+
+def parse_lock(path: Path) -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, sep, version = line.partition("==")
+        if not sep:
+            raise UserError(f"{path}:{number}: expected 'name==version', got {raw!r}")
+        pins[normalise(name)] = version.split(";", 1)[0].strip()
+    return pins
+
+
+def normalise(name: str) -> str:
+    return name.strip().lower().replace("_", "-").replace(".", "-")
+
+
+_REQUIRED = ("name", "description", "python", "lock", "adapter", "adapter_package", "stages", "upstream")
+
+
+def load_manifest(path: Path) -> StackManifest:
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise UserError(f"{path}: not valid TOML: {error}") from None
+    missing = [key for key in _REQUIRED if key not in data]
+    if missing:
+        raise UserError(f"{path}: missing field(s) {', '.join(missing)}")
+    if ":" not in data["adapter"]:
+        raise UserError(f"{path}: field adapter: expected 'module:function', got {data['adapter']!r}")
+    upstream = data["upstream"]
+    folder = path.parent
+    manifest = StackManifest(
+        name=data["name"],
+        description=data["description"],
+        python=str(data["python"]),
+        lock=folder / data["lock"],
+        adapter=data["adapter"],
+        adapter_package=folder / data["adapter_package"],
+        upstream=Upstream(name=upstream["name"], version=upstream["version"],
+                          git_revision=upstream.get("git_revision") or None),
+        stages=tuple(data["stages"]),
+        capabilities=tuple(data.get("capabilities", ())),
+        folder=folder,
+    )
+    if not manifest.lock.is_file():
+        raise UserError(f"{path}: field lock: {manifest.lock} does not exist")
+    return manifest
+
+
+def all_stacks() -> dict[str, StackManifest]:
+    manifests = {}
+    for path in sorted(stacks_dir().glob("*/stack.toml")):
+        manifest = load_manifest(path)
+        manifests[manifest.name] = manifest
+    return manifests
+
+
+def get_stack(name: str) -> StackManifest:
+    stacks = all_stacks()
+    if name not in stacks:
+        raise UserError(f"unknown stack {name!r}; known stacks: {', '.join(stacks) or '(none)'}")
+    return stacks[name]

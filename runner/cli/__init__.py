@@ -1,0 +1,26 @@
+"""The `runner` command line: one module per command, registered here."""
+
+from __future__ import annotations
+
+import typer
+
+from . import policy, qualify, report, stacks, validate
+
+app = typer.Typer(
+    name="runner",
+    help="Qualify RL and fine-tuning stacks before committing GPU weeks to one.\n\n"
+         "Each stack runs in its own pinned environment on one frozen plan; runner audits the evidence "
+         "(sampled tokens, loss masks, logprobs, resume after a kill) and reports gates and statistics.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(stacks.app, name="stacks")
+app.add_typer(policy.app, name="policy")
+app.command("qualify")(qualify.qualify)
+app.command("validate")(validate.validate)
+app.command("report")(report.report)
+
+
+def main() -> None:
+    app()

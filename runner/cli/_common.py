@@ -1,0 +1,31 @@
+"""Shared CLI plumbing: consoles, JSON output, turning known errors into one line and an exit code."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from .._errors import EngineError, UserError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+@contextlib.contextmanager
+def cli_errors() -> Iterator[None]:
+    """UserError/EngineError -> 'error: ...' on stderr and exit 2; no traceback."""
+    try:
+        yield
+    except (UserError, EngineError) as error:
+        err_console.print(f"[red]error:[/] {error}", highlight=False, markup=True)
+        raise typer.Exit(2) from None

@@ -1,0 +1,93 @@
+"""`runner qualify`: one stack, one frozen plan, every stage and gate, evidence in a run directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import typer
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from .._engine import LocalEngine
+from .._errors import UserError
+from .._plan import load_plan
+from .._policy import resolve_policy
+from .._qualify import STAGES, Arm, default_run_dir, run_arm
+from .._report import gate_table, write_report
+from .._stacks import get_stack
+from ._common import cli_errors, console, err_console, print_json
+
+ENGINES = ("local",)
+
+
+def _parse_stages(text: str | None, available: tuple[str, ...]) -> list[str]:
+    if not text:
+        return [stage for stage in STAGES if stage in available]
+    wanted = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in STAGES]
+    if unknown:
+        raise UserError(f"--stages: unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
+    missing = [s for s in wanted if s not in available]
+    if missing:
+        raise UserError(f"--stages: the stack does not provide {', '.join(missing)}")
+    return [stage for stage in STAGES if stage in wanted]
+
+
+def qualify(
+    stack: str = typer.Option(..., "--stack", help="Stack to qualify (see `runner stacks list`)."),
+    plan_path: Path = typer.Option(..., "--plan", help="Plan file (YAML), e.g. qualification/plans/calc-tool-cpu.yaml."),
+    engine: str = typer.Option("local", "--engine", help="Where the stack runs: local (per-stack virtualenv)."),
+    stages: str = typer.Option(None, "--stages", help="Comma-separated subset, e.g. probe,service. Default: all."),
+    run_dir: Path = typer.Option(None, "--run-dir", help="Run directory (default: runs/<time>-<stack>-<plan>)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
+) -> None:
+    """Qualify one stack on one plan: probe, service, rollout, update, resume, train, evaluate.
+
+    Each stage runs the stack's adapter in its own environment and writes evidence.json; the host then
+    audits the files (trained tokens == sampled tokens, masks, logprobs, resume replay, held-out and
+    retention statistics). The first stage that does not pass stops the arm. Exit code 0 only if every
+    gate passed, 1 if a gate failed, 2 on bad input.
+    """
+    with cli_errors():
+        if engine not in ENGINES:
+            raise UserError(f"--engine {engine!r}: available engines are {', '.join(ENGINES)}")
+        manifest = get_stack(stack)
+        selected = _parse_stages(stages, manifest.stages)
+        plan = load_plan(plan_path)
+        log = (lambda message: err_console.print(f"[dim]{message}[/]")) if not json_output else (lambda m: None)
+        local = LocalEngine(log=log)
+        with err_console.status(f"preparing the {stack} environment and the policy"):
+            env = local.prepare(manifest)
+            frozen = resolve_policy(plan, local)
+        target = (run_dir or default_run_dir(stack, frozen)).resolve()
+        if target.exists() and (target / "plan.json").is_file():
+            from runner_contracts import Plan, read_record
+
+            existing = read_record(target / "plan.json", Plan)
+            if existing.plan_id != frozen.plan_id:
+                raise UserError(f"--run-dir {target}: holds plan {existing.plan_id[:12]}, not {frozen.plan_id[:12]}; "
+                                "arms with different plans are never mixed")
+        target.mkdir(parents=True, exist_ok=True)
+        arm = Arm(manifest=manifest, engine=local, env=env, plan=frozen, run_dir=target)
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=err_console, disable=json_output) as progress:
+            tasks = {stage: progress.add_task(f"{stage}: waiting", total=1) for stage in selected}
+
+            def on_stage(stage: str, status: str) -> None:
+                progress.update(tasks[stage], description=f"{stage}: {'running' if status == 'start' else status}",
+                                completed=0 if status == "start" else 1)
+
+            arm.on_event = lambda stage, message: progress.update(tasks[stage], description=f"{stage}: {message}")
+            evidence = run_arm(arm, selected, on_stage)
+        data = write_report(target)
+        data["run_dir"] = str(target)
+    if json_output:
+        print_json(data)
+    else:
+        console.print(gate_table(evidence, f"{stack} on {frozen.name} (plan {frozen.plan_id[:12]})"))
+        for stage, split in data.get("evaluation", {}).items():
+            console.print(f"{stage}: base {split['base']} -> trained {split['trained']}: [bold]{split['verdict']}[/] "
+                          f"({split['test']}, p={split['p_value']:.3g})", highlight=False)
+        verdict = "[green]qualified: every gate passed[/]" if data["passed"] else "[red]not qualified[/]"
+        console.print(f"{verdict}\nrun directory: {target}\nreport: {target / 'report.md'}", highlight=False)
+    raise typer.Exit(0 if data["passed"] else 1)

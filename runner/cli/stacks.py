@@ -1,0 +1,45 @@
+"""`runner stacks list`: the registered stacks, read from their manifests."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from .._engine import ENV_MARKER, LocalEngine, find_python
+from .._errors import EngineError
+from .._stacks import all_stacks
+from ._common import cli_errors, console, print_json
+
+app = typer.Typer(help="Inspect the stacks runner knows (folders under stacks/ with a stack.toml).",
+                  no_args_is_help=True)
+
+
+@app.command("list")
+def list_stacks(json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
+    """List stacks with their upstream pin, Python, lock hash and whether their environment is built."""
+    with cli_errors():
+        engine = LocalEngine()
+        rows = []
+        for manifest in all_stacks().values():
+            try:
+                _, python_version = find_python(manifest.python)
+                env_path = engine.root / f"{manifest.name}-{engine.environment_key(manifest, python_version)}"
+                built = (env_path / ENV_MARKER).is_file()
+            except EngineError:
+                built = False
+            rows.append({
+                "name": manifest.name, "upstream": f"{manifest.upstream.name}=={manifest.upstream.version}",
+                "python": manifest.python, "lock_sha256": manifest.lock_sha256, "environment_built": built,
+                "stages": list(manifest.stages), "capabilities": list(manifest.capabilities),
+                "description": manifest.description,
+            })
+    if json_output:
+        print_json(rows)
+        return
+    table = Table(title="stacks")
+    for column in ("name", "upstream", "python", "lock", "env", "description"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], row["upstream"], row["python"], row["lock_sha256"][:12],
+                      "built" if row["environment_built"] else "-", row["description"])
+    console.print(table)

@@ -1,0 +1,280 @@
+"""Entry point the host launches (`runner_stack_trl.main:run`): one function per stage."""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import inspect
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from qualification.tasks import TaskItem, get_family
+from runner_contracts import (
+    EnvironmentInfo,
+    EvalRecord,
+    Hardware,
+    JsonlWriter,
+    ServiceCase,
+    StageRequest,
+    StageResult,
+    Upstream,
+    sha256_file,
+)
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+CAPABILITIES = ["grpo", "sft", "multi-turn-tools", "resume", "cpu", "token-capture:trainer"]
+
+
+def run(request: StageRequest) -> StageResult:
+    handlers = {
+        "probe": probe,
+        "build-policy": build_policy,
+        "service": service,
+        "rollout": rollout,
+        "update": train,
+        "train": train,
+        "evaluate": evaluate,
+    }
+    if request.stage not in handlers:
+        raise ValueError(f"trl adapter has no stage {request.stage!r}; it has {', '.join(handlers)}")
+    return handlers[request.stage](request)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def probe(request: StageRequest) -> StageResult:
+    import torch
+
+    packages = {dist.metadata["Name"].lower().replace("_", "-"): dist.version
+                for dist in importlib.metadata.distributions()}
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    environment = EnvironmentInfo(
+        engine="",
+        python=platform.python_version(),
+        packages=packages,
+        upstream=Upstream(name="trl", version=packages.get("trl", "")),
+        hardware=Hardware(cpu=_cpu_name(), cpu_count=os.cpu_count() or 0, gpus=gpus),
+    )
+    return StageResult(stage="probe", environment=environment, capabilities=CAPABILITIES,
+                       metrics={"torch": torch.__version__, "cuda_available": torch.cuda.is_available()})
+
+
+def build_policy(request: StageRequest) -> StageResult:
+    from .policy import TinyRecipe, build_tiny_policy
+
+    fields = {f for f in TinyRecipe.__dataclass_fields__}
+    overrides = {k: (tuple(v) if isinstance(v, list) else v) for k, v in request.options.get("recipe", {}).items()}
+    unknown = set(overrides) - fields
+    if unknown:
+        raise ValueError(f"unknown tiny-policy recipe fields: {', '.join(sorted(unknown))}")
+    out = Path(request.out_dir) / "policy"
+    out.mkdir(parents=True, exist_ok=True)
+    record = build_tiny_policy(out, TinyRecipe(**overrides))
+    return StageResult(stage="build-policy", metrics=record, files={"policy": "policy"})
+
+
+# --- service: scripted episodes through TRL's response parser, the environment and the reward ----------
+
+
+def _render_turn(turn: dict[str, Any]) -> str:
+    """A scripted assistant turn as raw model output in the Qwen/Hermes tool-call format."""
+    if "tool_call" in turn:
+        body = json.dumps(turn["tool_call"], ensure_ascii=False)
+        return f"<tool_call>\n{body}\n</tool_call>"
+    if "raw_tool_call" in turn:
+        return f"<tool_call>\n{turn['raw_tool_call']}\n</tool_call>"
+    return turn["text"]
+
+
+def service(request: StageRequest) -> StageResult:
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import add_response_schema, parse_response
+
+    from .environment import environment_class, tool_methods
+    from .grpo import TaskReward
+    from .policy import prompt_messages
+
+    tokenizer = add_response_schema(AutoTokenizer.from_pretrained(request.policy_dir))
+    plan = request.plan
+    reward = TaskReward()
+    specs = [(plan.task.family, plan.task.train), (plan.task.retention.family or plan.task.family, plan.task.retention)]
+    per_family = int(request.options.get("items_per_family", 3))
+    with JsonlWriter(Path(request.out_dir) / "service.jsonl") as writer:
+        for family_name, split in specs:
+            family = get_family(family_name)
+            env_class = environment_class(family_name)
+            for item in family.generate(split.split, per_family, split.seed):
+                for case in family.scripted_cases(item):
+                    env = env_class()
+                    env.reset(item=item.to_json())
+                    tools = tool_methods(env) or None
+                    messages = prompt_messages(family_name, item.question)
+                    completion: list[dict[str, Any]] = []
+                    for turn in case["turns"]:
+                        prefix = tokenizer.apply_chat_template(messages + completion, tools=tools, tokenize=True,
+                                                               add_generation_prompt=True, return_dict=False)
+                        ids = tokenizer.encode(_render_turn(turn) + tokenizer.eos_token, add_special_tokens=False)
+                        parsed = parse_response(tokenizer, ids, prefix=prefix, tools=tools)
+                        completion.append(parsed)
+                        for call in parsed.get("tool_calls") or []:
+                            function = call["function"]
+                            method = getattr(env, function["name"], None)
+                            try:
+                                result = method(**function["arguments"]) if method else f"Tool {function['name']} not found."
+                            except Exception as error:  # TRL turns tool exceptions into an error result, so do we
+                                result = str({"error": str(error)})
+                            completion.append({"role": "tool", "name": function["name"], "content": str(result)})
+                    stack_reward = reward([completion], [env])[0]
+                    score, transcript = reward.last[0]
+                    writer.write(ServiceCase(
+                        task_id=item.task_id, item=item.to_json(), case=case["case"],
+                        expected_success=case["expected_success"], final_text=transcript.final_text,
+                        tool_calls=[{"name": c.name, "arguments": c.arguments, "result": c.result}
+                                    for c in transcript.tool_calls],
+                        stack_reward=stack_reward, stack_components=score.components,
+                    ))
+    return StageResult(stage="service", files={"service": "service.jsonl"})
+
+
+# --- rollout / update / train ------------------------------------------------------------------------
+
+
+def _recorder(request: StageRequest, checkpoint_dir: Path):
+    from .grpo import Recorder
+
+    return Recorder(Path(request.out_dir), run_id=request.run_id, stack=request.stack, stage=request.stage,
+                    plan=request.plan, initial_revision=sha256_file(Path(request.policy_dir) / "model.safetensors"),
+                    checkpoint_dir=checkpoint_dir, resume_from=request.resume_from)
+
+
+def _train_rows(request: StageRequest) -> list[dict[str, Any]]:
+    from .grpo import task_rows
+
+    split = request.plan.task.train
+    return task_rows(split.family or request.plan.task.family, split.split, split.n, split.seed)
+
+
+def rollout(request: StageRequest) -> StageResult:
+    """One generation batch (G x B episodes) with the real policy and no optimizer step."""
+    from .grpo import build_trainer
+
+    checkpoint_dir = Path(request.out_dir) / "checkpoints"
+    recorder = _recorder(request, checkpoint_dir)
+    trainer = build_trainer(request.plan, Path(request.policy_dir), checkpoint_dir, steps=1, recorder=recorder,
+                            train_items=_train_rows(request))
+    ok = False
+    try:
+        trainer.model.train()
+        batch = next(iter(trainer.get_train_dataloader()))
+        trainer._generate_and_score_completions(batch)
+        ok = True
+    finally:
+        recorder.close(ok)
+    return StageResult(stage=request.stage, metrics={"steps": recorder.steps},
+                       files={"trajectories": "trajectories.jsonl", "training": "training.jsonl"})
+
+
+def train(request: StageRequest) -> StageResult:
+    """K GRPO steps (update), or the full budget (train); checkpoints every step with a completeness marker."""
+    from .grpo import build_trainer
+
+    steps = request.steps or (request.plan.gates.update_steps if request.stage == "update"
+                              else request.plan.budget.steps)
+    checkpoint_dir = Path(request.out_dir) / "checkpoints"
+    recorder = _recorder(request, checkpoint_dir)
+    trainer = build_trainer(request.plan, Path(request.policy_dir), checkpoint_dir, steps=steps, recorder=recorder,
+                            train_items=_train_rows(request))
+    ok = False
+    try:
+        trainer.train(resume_from_checkpoint=request.resume_from)
+        ok = True
+    finally:
+        recorder.close(ok)
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    metrics = {
+        "steps": recorder.steps,
+        "loss": [float(entry["loss"]) for entry in history],
+        "grad_norm": [float(entry.get("grad_norm", 0.0)) for entry in history],
+        "global_step": trainer.state.global_step,
+    }
+    return StageResult(stage=request.stage, metrics=metrics,
+                       files={"trajectories": "trajectories.jsonl", "training": "training.jsonl",
+                              "checkpoints": "checkpoints"})
+
+
+# --- evaluate ----------------------------------------------------------------------------------------
+
+
+def _run_episodes(trainer, rows: list[dict[str, Any]], batch_size: int = 16):
+    """Greedy episodes through TRL's own generate + tool loop (no training). Yields (row, transcript, finish)."""
+    from .grpo import final_text
+
+    trainer.model.eval()
+    trainer.generation_config.do_sample = False
+    for attr in ("temperature", "top_p", "top_k"):
+        setattr(trainer.generation_config, attr, None)
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        # The per-rollout environment and tool wiring GRPOTrainer does in _generate_and_score_completions.
+        trainer._batch_environments = [row["environment"] for row in batch]
+        trainer.environments = [trainer.environment_factories[name]() for name in trainer._batch_environments]
+        trainer._sync_tool_dicts, trainer._async_tool_dicts = [], []
+        for env, row in zip(trainer.environments, batch, strict=True):
+            env.reset(**{k: v for k, v in row.items() if k != "environment"})
+            tools = {name: getattr(env, name) for name, _ in inspect.getmembers(type(env), inspect.isfunction)
+                     if name not in ("reset", "get_reward") and not name.startswith("_")}
+            trainer._sync_tool_dicts.append(tools)
+            trainer._async_tool_dicts.append({})
+        prompts = copy.deepcopy([row["prompt"] for row in batch])
+        _, completion_ids, _, completions, *_ = trainer._generate(prompts)
+        eos = set(trainer.eos_token_ids)
+        for row, env, completion, ids in zip(batch, trainer.environments, completions, completion_ids, strict=True):
+            finish = "stop" if ids and ids[-1] in eos else "length"
+            yield row, env, env._transcript(final_text(completion)), finish
+
+
+def evaluate(request: StageRequest) -> StageResult:
+    """Held-out and retention splits, base vs trained policy, the same greedy decoding for both."""
+    from .grpo import build_trainer, task_rows
+
+    plan = request.plan
+    policies = {"base": Path(request.policy_dir), "trained": Path(request.options["trained_policy"])}
+    splits = [("heldout", plan.task.heldout.family or plan.task.family, plan.task.heldout),
+              ("retention", plan.task.retention.family or plan.task.family, plan.task.retention)]
+    all_rows = {label: task_rows(family, spec.split, spec.n, spec.seed) for label, family, spec in splits}
+    families = sorted({row["environment"] for rows in all_rows.values() for row in rows})
+    counts: dict[str, dict[str, int]] = {}
+    with JsonlWriter(Path(request.out_dir) / "eval.jsonl") as writer:
+        for policy_label, policy_path in policies.items():
+            any_rows = [rows[0] for rows in all_rows.values()]
+            trainer = build_trainer(plan, policy_path, Path(request.out_dir) / "scratch", steps=1, recorder=None,
+                                    train_items=[r for r in any_rows if r["environment"] in families])
+            for split_label, rows in all_rows.items():
+                for row, env, transcript, finish in _run_episodes(trainer, rows):
+                    item = TaskItem.from_json(row["item"])
+                    score = env.family.score(item, transcript)
+                    key = f"{policy_label}/{split_label}"
+                    counts.setdefault(key, {"k": 0, "n": 0})
+                    counts[key]["k"] += int(score.success)
+                    counts[key]["n"] += 1
+                    writer.write(EvalRecord(
+                        policy=policy_label, split=split_label, task_id=item.task_id, item=row["item"],
+                        final_text=transcript.final_text,
+                        tool_calls=[{"name": c.name, "arguments": c.arguments, "result": c.result}
+                                    for c in transcript.tool_calls],
+                        stack_reward=score.reward, success=score.success, finish_reason=finish,
+                    ))
+    return StageResult(stage="evaluate", metrics={"counts": counts, "decoding": "greedy"},
+                       files={"eval": "eval.jsonl"})
