@@ -9,6 +9,7 @@ import msgspec
 import yaml
 
 from runner_contracts import Plan
+from runner_contracts.io import explain_error
 
 from ._errors import UserError
 
@@ -53,13 +54,8 @@ def load_plan(path: Path) -> Plan:
     try:
         return msgspec.convert(data, Plan)
     except msgspec.ValidationError as error:
-        message = str(error)
-        match = re.search(r" - at `\$\.?(?P<path>[^`]*)`$", message)
-        field = match.group("path") if match else ""
-        if "missing required field" in message:
-            missing = re.search(r"`(\w+)`", message)
-            field = ".".join(filter(None, [field, missing.group(1) if missing else ""]))
+        field, reason = explain_error(error)
+        field = "" if field == "(record)" else field
         line = _line_of(root, field) if field else None
         where = f"{path}:{line}" if line else str(path)
-        reason = re.sub(r" - at `\$[^`]*`$", "", message)
         raise UserError(f"{where}: field {field or '(plan)'}: {reason}") from None

@@ -37,11 +37,18 @@ _header_decoder = msgspec.json.Decoder(_Header)
 _MSGSPEC_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 
 
-def _explain(error: msgspec.DecodeError | msgspec.ValidationError) -> tuple[str, str]:
+_NAMED_FIELD = re.compile(r"Object (?:missing required|contains unknown) field `(?P<name>[^`]+)`")
+
+
+def explain_error(error: msgspec.DecodeError | msgspec.ValidationError) -> tuple[str, str]:
+    """(field path like 'segments[1].logprobs', message) from a msgspec error; '(record)' if no field."""
     match = _MSGSPEC_PATH.match(str(error))
     assert match is not None
-    path = match.group("path")
-    return (path.lstrip(".") if path else "(record)"), match.group("msg")
+    path = (match.group("path") or "").lstrip(".")
+    missing = _NAMED_FIELD.search(match.group("msg"))
+    if missing:
+        path = f"{path}.{missing.group('name')}" if path else missing.group("name")
+    return (path or "(record)"), match.group("msg")
 
 
 def decode_record(data: bytes, record_type: type[R], path: str | os.PathLike[str] = "<input>",
@@ -52,7 +59,7 @@ def decode_record(data: bytes, record_type: type[R], path: str | os.PathLike[str
         record = decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as error:
         _raise_with_version_hint(data, record_type, path, line)
-        field, message = _explain(error)
+        field, message = explain_error(error)
         raise RecordError(path, line, field, message) from None
     version = getattr(record, "version", SUPPORTED_VERSION)
     if version > SUPPORTED_VERSION:

@@ -1,0 +1,36 @@
+"""Shared fixtures: builders for valid contract records, so tests corrupt one thing at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner_contracts import Segment, TrainingRow, Trajectory
+
+
+def make_episode(step: int = 1, group: int = 0, sample: int = 0, *, stage: str = "rollout",
+                 reward: float = 1.0, revision: str = "a" * 64) -> tuple[Trajectory, TrainingRow]:
+    """A two-turn tool episode and the training row built from it."""
+    prompt, call, tool, answer = [1, 2, 3], [10, 11], [20, 21, 22], [12, 13]
+    call_lp, answer_lp = [-0.5, -0.25], [-0.125, -1.0]
+    episode_id = f"{stage}/s{step}/g{group}/{sample}"
+    trajectory = Trajectory(
+        run_id="run", stack="trl", stage=stage, step=step, episode_id=episode_id, task_id=f"t{group}",
+        group_id=f"{stage}/s{step}/g{group}", sample_index=sample, policy_revision=revision,
+        segments=[Segment(source="prompt", token_ids=prompt, text="p"),
+                  Segment(source="policy", token_ids=call, logprobs=call_lp, text="c"),
+                  Segment(source="tool", token_ids=tool, text="t"),
+                  Segment(source="policy", token_ids=answer, logprobs=answer_lp, text="a")],
+        reward=reward, outcome="success" if reward else "failure", finish_reason="stop", turns=2)
+    ids = prompt + call + tool + answer
+    mask = [0] * 3 + [1] * 2 + [0] * 3 + [1] * 2
+    old = [0.0] * 3 + call_lp + [0.0] * 3 + answer_lp
+    row = TrainingRow(step=step, row_id=f"{stage}/s{step}/r{group * 2 + sample}", episode_ids=[episode_id],
+                      input_ids=ids, loss_mask=mask, advantage=0.5 if reward else -0.5, old_logprobs=old)
+    return trajectory, row
+
+
+@pytest.fixture
+def episodes():
+    """Two groups of two episodes with reward variance in each group."""
+    pairs = [make_episode(group=g, sample=s, reward=float(s)) for g in range(2) for s in range(2)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]

@@ -1,0 +1,93 @@
+import msgspec
+
+from qualification.gates import TraceAudit, lock_gate, resume_gates
+
+from conftest import make_episode
+
+
+def audit(trajectories, rows, *, group_size=2, tolerance=1e-3):
+    a = TraceAudit(vocab_size=100, group_size=group_size, tolerance=tolerance)
+    a.add_trajectories(trajectories)
+    a.add_rows(rows)
+    return {g.name: g for g in a.gates() + a.degeneracy_gates(0.5)}, a
+
+
+def test_clean_trace_passes(episodes):
+    gates, a = audit(*episodes)
+    assert all(g.passed for g in gates.values()), [g for g in gates.values() if not g.passed]
+    assert a.counts["trained_tokens"] == 16
+
+
+def test_trained_token_that_was_not_sampled_fails(episodes):
+    trajectories, rows = episodes
+    ids = list(rows[0].input_ids)
+    ids[4] = 99  # a policy position the optimizer saw but the policy never sampled
+    rows[0] = msgspec.structs.replace(rows[0], input_ids=ids)
+    gates, _ = audit(trajectories, rows)
+    assert not gates["trace:mask-provenance"].passed
+
+
+def test_tool_tokens_in_the_loss_fail(episodes):
+    trajectories, rows = episodes
+    mask = list(rows[1].loss_mask)
+    mask[5] = 1  # first tool token masked in
+    rows[1] = msgspec.structs.replace(rows[1], loss_mask=mask)
+    gates, _ = audit(trajectories, rows)
+    assert not gates["trace:mask-provenance"].passed
+    assert not gates["trace:trained-equals-sampled"].passed
+
+
+def test_logprob_gap_over_tolerance_fails(episodes):
+    trajectories, rows = episodes
+    old = list(rows[2].old_logprobs)
+    old[3] -= 0.01
+    rows[2] = msgspec.structs.replace(rows[2], old_logprobs=old)
+    gates, a = audit(trajectories, rows)
+    assert not gates["trace:logprob-agreement"].passed
+    assert abs(a.max_logprob_gap - 0.01) < 1e-9
+
+
+def test_incomplete_group_and_untrained_episode_fail(episodes):
+    trajectories, rows = episodes
+    gates, _ = audit(trajectories[:3], rows[:3])
+    assert not gates["trace:groups-complete"].passed
+    gates, _ = audit(trajectories, rows[:3])
+    assert not gates["trace:every-episode-trained"].passed
+
+
+def test_degenerate_rewards_fail_the_signal_gates():
+    pairs = [make_episode(group=g, sample=s, reward=0.0) for g in range(2) for s in range(2)]
+    trajectories = [p[0] for p in pairs]
+    rows = [msgspec.structs.replace(p[1], advantage=0.0) for p in pairs]
+    gates, _ = audit(trajectories, rows)
+    assert not gates["signal:reward-variance"].passed
+    assert not gates["signal:advantages"].passed
+    assert gates["signal:tool-calls"].passed
+
+
+def test_revision_chain():
+    t1, _ = make_episode(step=1, revision="a" * 64)
+    t2, _ = make_episode(step=2, revision="b" * 64)
+    a = TraceAudit(vocab_size=100, group_size=1, tolerance=1e-3)
+    a.add_trajectories([t1, t2])
+    assert a.revision_gate("a" * 64, {1: "b" * 64}).passed
+    assert not a.revision_gate("a" * 64, {1: "c" * 64}).passed
+
+
+def test_lock_gate_names_the_drifted_package():
+    gate = lock_gate({"trl": "1.15.0", "torch": "2.13.0+cpu", "extra": "1"}, {"trl": "1.16.0", "torch": "2.13.0"})
+    assert not gate.passed
+    assert "trl: locked 1.16.0, installed 1.15.0" in gate.detail and "extra" in gate.detail
+    assert "torch" not in gate.detail
+    assert lock_gate({"trl": "1.16.0"}, {"trl": "1.16.0"}).passed
+
+
+def test_resume_gates_detect_a_different_token():
+    plain = [make_episode(step=s, group=0, sample=0, stage="train")[0] for s in (1, 2)]
+    rows = [make_episode(step=s, group=0, sample=0, stage="train")[1] for s in (1, 2)]
+    ok = resume_gates(plain, plain[:1], plain[1:], rows, rows, 1, "f" * 64, "f" * 64, [])
+    assert all(g.passed for g in ok)
+    changed = msgspec.structs.replace(plain[1], segments=[*plain[1].segments[:-1], msgspec.structs.replace(
+        plain[1].segments[-1], token_ids=[12, 14])])
+    bad = {g.name: g for g in resume_gates(plain, plain[:1], [changed], rows, rows, 1, "f" * 64, "e" * 64, [])}
+    assert not bad["resume:same-tokens"].passed and not bad["resume:same-final-weights"].passed

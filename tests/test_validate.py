@@ -1,0 +1,114 @@
+"""`runner validate` accepts good files and rejects each kind of corruption with file:line:field, exit 1."""
+
+import json
+import subprocess
+import sys
+
+import msgspec
+import pytest
+from typer.testing import CliRunner
+
+from runner.cli import app
+from runner_contracts import JsonlWriter
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def good_file(tmp_path, episodes):
+    path = tmp_path / "trajectories.jsonl"
+    with JsonlWriter(path) as writer:
+        for t in episodes[0]:
+            writer.write(t)
+    return path
+
+
+def corrupt(path, line: int, edit) -> None:
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[line - 1] = edit(lines[line - 1])
+    path.write_bytes(b"".join(lines))
+
+
+def json_edit(change):
+    def edit(raw: bytes) -> bytes:
+        data = json.loads(raw)
+        change(data)
+        return json.dumps(data).encode() + b"\n"
+    return edit
+
+
+def run(*args):
+    result = runner.invoke(app, ["validate", *map(str, args)], env={"COLUMNS": "400"})
+    return result.exit_code, result.output
+
+
+def test_accepts_good_file(good_file):
+    code, output = run(good_file)
+    assert code == 0 and "4 Trajectory record(s)" in output
+
+
+CASES = {
+    "negative id": (json_edit(lambda d: d["segments"][1]["token_ids"].__setitem__(0, -1)), "segments[1].token_ids[0]"),
+    "missing logprob": (json_edit(lambda d: d["segments"][1]["logprobs"].pop()), "segments[1].logprobs"),
+    "extra logprob": (json_edit(lambda d: d["segments"][3]["logprobs"].append(-0.1)), "segments[3].logprobs"),
+    "positive logprob": (json_edit(lambda d: d["segments"][1]["logprobs"].__setitem__(0, 0.5)), "segments[1].logprobs[0]"),
+    "unknown source": (json_edit(lambda d: d["segments"][2].__setitem__("source", "oracle")), "segments[2].source"),
+    "future version": (json_edit(lambda d: d.__setitem__("version", 3)), "version"),
+    "missing field": (json_edit(lambda d: d.pop("episode_id")), "episode_id"),
+    "string reward": (json_edit(lambda d: d.__setitem__("reward", "high")), "reward"),
+    "nan reward": (lambda raw: raw.replace(b'"reward":1.0', b'"reward":NaN').replace(b'"reward":0.0', b'"reward":NaN'),
+                   "(record)"),
+    "invalid utf-8": (lambda raw: raw.replace(b'"text":"p"', b'"text":"\xff\xfe"'), "(record)"),
+    "tool logprobs": (json_edit(lambda d: d["segments"][2].__setitem__("logprobs", [-1.0, -1.0, -1.0])), "segments[2].logprobs"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rejects_corruption_with_location(good_file, name):
+    edit, field = CASES[name]
+    corrupt(good_file, 2, edit)
+    code, output = run(good_file)
+    assert code == 1
+    assert f"{good_file}:2: {field}" in output.replace("\n", ""), output
+
+
+def test_rejects_truncated_last_line(good_file):
+    data = good_file.read_bytes()
+    good_file.write_bytes(data[: len(data) - 40])
+    code, output = run(good_file)
+    assert code == 1 and f"{good_file}:4: (line): truncated line" in output.replace("\n", "")
+
+
+def test_rejects_duplicate_episode_ids(good_file, episodes):
+    first = msgspec.json.encode(episodes[0][0]) + b"\n"
+    good_file.write_bytes(good_file.read_bytes() + first)
+    code, output = run(good_file)
+    assert code == 1 and f"{good_file}:5: episode_id: duplicate episode id" in output.replace("\n", "")
+
+
+def test_reports_every_bad_line(good_file):
+    for line in (1, 3):
+        corrupt(good_file, line, json_edit(lambda d: d.__setitem__("step", -1)))
+    code, output = run(good_file)
+    flat = output.replace("\n", "")
+    assert code == 1 and f"{good_file}:1: step" in flat and f"{good_file}:3: step" in flat
+
+
+def test_training_rows(tmp_path, episodes):
+    path = tmp_path / "training.jsonl"
+    with JsonlWriter(path) as writer:
+        for row in episodes[1]:
+            writer.write(row)
+    assert run(path)[0] == 0
+    corrupt(path, 1, json_edit(lambda d: d["loss_mask"].append(1)))
+    code, output = run(path)
+    assert code == 1 and f"{path}:1: loss_mask" in output.replace("\n", "")
+
+
+def test_cli_never_prints_a_traceback(tmp_path):
+    path = tmp_path / "trajectories.jsonl"
+    path.write_bytes(b"\x00\xff not json\n")
+    result = subprocess.run([sys.executable, "-m", "runner.cli", "validate", str(path)], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr + result.stdout
+    assert f"{path}:1" in result.stderr.replace("\n", "")
