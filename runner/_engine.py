@@ -97,10 +97,10 @@ def tree_hash(roots: list[Path]) -> str:
     """sha256 over the source files (path + bytes) of our local packages, build outputs excluded."""
     digest = hashlib.sha256()
     for root in roots:
-        for path in sorted(root.rglob("*")):
-            rel = path.relative_to(root).as_posix()
+        for path in sorted(root.rglob("*")) if root.is_dir() else [root]:
+            rel = path.relative_to(root).as_posix() if root.is_dir() else path.name
             if not path.is_file() or any(part.endswith(".egg-info") or part in ("build", "__pycache__")
-                                         for part in path.relative_to(root).parts):
+                                         for part in Path(rel).parts):
                 continue
             digest.update(f"{root.name}/{rel}\0".encode())
             digest.update(path.read_bytes())
@@ -228,9 +228,11 @@ def _kill_group(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def last_error_lines(path: Path, lines: int = 8) -> str:
+def last_error_lines(path: Path, lines: int = 3) -> str:
+    """The last few meaningful lines of a log (warnings and progress bars dropped), joined on one line."""
     if not path.is_file():
         return ""
     text = path.read_text(errors="replace").splitlines()
-    interesting = [line for line in text if not re.search(r"Warning|warnings.warn|it/s\]", line)]
-    return "\n".join(interesting[-lines:])
+    interesting = [line.strip() for line in text
+                   if line.strip() and not re.search(r"Warning|warnings.warn|it/s\]|^\s*\^+\s*$", line)]
+    return " | ".join(interesting[-lines:])

@@ -33,16 +33,19 @@ def policy_builder() -> StackManifest:
 def _recipe_key(recipe: dict[str, Any], manifest: StackManifest) -> str:
     digest = hashlib.sha256(canonical_json(recipe))
     digest.update(manifest.lock_sha256.encode())
-    digest.update(tree_hash([*local_packages().values(), manifest.adapter_package]).encode())
+    # The bytes depend on the builder's code and the task generators, not on contracts, gates or stages.
+    tasks = local_packages()["runner-qualification"] / "src" / "qualification" / "tasks"
+    digest.update(tree_hash([*manifest.policy_sources, tasks]).encode())
     return digest.hexdigest()[:16]
 
 
-def build_tiny(engine: LocalEngine, recipe: dict[str, Any], plan: Plan) -> Path:
-    """The cached tiny policy for `recipe`, building it first if needed. Same recipe, same bytes."""
+def build_tiny(engine: LocalEngine, recipe: dict[str, Any], plan: Plan, *, rebuild: bool = False) -> Path:
+    """The cached tiny policy for `recipe`, building it first if needed (or always, with rebuild).
+    Same recipe, same bytes."""
     manifest = policy_builder()
     key = _recipe_key(recipe, manifest)
     final = cache_dir() / "policies" / f"tiny-{key}"
-    if (final / WEIGHTS).is_file():
+    if (final / WEIGHTS).is_file() and not rebuild:
         return final
     env = engine.prepare(manifest)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -54,6 +57,7 @@ def build_tiny(engine: LocalEngine, recipe: dict[str, Any], plan: Plan) -> Path:
         if not outcome.ok or not (work / "policy" / WEIGHTS).is_file():
             raise EngineError(f"building the tiny policy failed; logs in {work}\n{last_error_lines(outcome.stderr)}")
         shutil.copy(work / "stderr.log", work / "policy" / "build.log")
+        shutil.rmtree(final, ignore_errors=True)
         (work / "policy").rename(final)
     except BaseException:
         if (final / WEIGHTS).is_file():

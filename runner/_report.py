@@ -37,8 +37,11 @@ def _short(value: Any) -> str:
 
 def gate_table(evidence: list[Evidence], title: str) -> Table:
     table = Table(title=title, show_lines=False)
-    for column in ("stage", "status", "gate", "measured", "threshold"):
-        table.add_column(column)
+    table.add_column("stage")
+    table.add_column("status")
+    table.add_column("gate", no_wrap=True)
+    table.add_column("measured", max_width=44)
+    table.add_column("threshold", max_width=24)
     for record in evidence:
         style = STATUS_STYLE[record.status]
         if not record.gates:

@@ -29,6 +29,7 @@ class StackManifest:
     upstream: Upstream
     stages: tuple[str, ...]
     capabilities: tuple[str, ...] = field(default_factory=tuple)
+    policy_sources: tuple[Path, ...] = ()  # files the tiny-policy builder's output depends on
     folder: Path = Path()
 
     @property
@@ -83,6 +84,7 @@ def load_manifest(path: Path) -> StackManifest:
                           git_revision=upstream.get("git_revision") or None),
         stages=tuple(data["stages"]),
         capabilities=tuple(data.get("capabilities", ())),
+        policy_sources=tuple(folder / p for p in data.get("policy_sources", ())),
         folder=folder,
     )
     if not manifest.lock.is_file():

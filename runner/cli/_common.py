@@ -13,8 +13,9 @@ from rich.console import Console
 
 from .._errors import EngineError, UserError
 
-console = Console()
-err_console = Console(stderr=True)
+# Piped output (make, CI logs) gets wide tables instead of rich's 80-column default.
+console = Console(width=None if sys.stdout.isatty() else 150)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
 
 
 def print_json(data: Any) -> None:

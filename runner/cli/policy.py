@@ -23,6 +23,7 @@ def tiny(
     out: Path = typer.Option(..., "--out", help="Directory to write the policy to (must not exist or be empty)."),
     seed: int = typer.Option(0, help="Seed for tokenizer corpus, weights and SFT; same seed, same sha256."),
     sft_steps: int = typer.Option(None, help="SFT warm-start steps (default: the recipe's)."),
+    rebuild: bool = typer.Option(False, "--rebuild", help="Build even if cached (e.g. to check determinism)."),
     json_output: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Build the tiny Qwen2 policy: local BPE tokenizer, config-built weights, SFT warm start on
@@ -33,7 +34,7 @@ def tiny(
         recipe = {"seed": seed} | ({"sft_steps": sft_steps} if sft_steps is not None else {})
         engine = LocalEngine(log=lambda message: err_console.print(f"[dim]{message}[/]"))
         with console.status("building the tiny policy in the trl environment (a few minutes on 2 cores)"):
-            cached = build_tiny(engine, recipe, default_plan_for_policy())
+            cached = build_tiny(engine, recipe, default_plan_for_policy(), rebuild=rebuild)
         if out.exists():
             out.rmdir()
         shutil.copytree(cached, out)

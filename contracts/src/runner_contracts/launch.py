@@ -38,12 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
         result = load_entry(args[0])(request)
+        write_record(out_dir / RESULT_FILE, result)
     except Exception as error:  # the adapter's failure becomes evidence, not a lost traceback
         traceback.print_exc()
         write_record(out_dir / RESULT_FILE, StageResult(
             stage=request.stage, error=ErrorInfo(kind=type(error).__name__, message=str(error))))
         return 1
-    write_record(out_dir / RESULT_FILE, result)
     return 0
 
 

@@ -27,7 +27,7 @@ from runner_contracts import (
 )
 
 from .environment import environment_class
-from .policy import deterministic_torch, prompt_messages
+from .policy import deterministic_torch, prompt_messages, trainer_device_args
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -254,14 +254,8 @@ def grpo_config(plan: Plan, output_dir: Path, *, steps: int, save_every_step: bo
         logging_steps=1,
         save_strategy="steps" if save_every_step else "no",
         save_steps=1,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to="none",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
         log_completions=False,
+        **trainer_device_args(budget.gpus),
     )
 
 

@@ -8,6 +8,7 @@ import inspect
 import json
 import os
 import platform
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ def probe(request: StageRequest) -> StageResult:
         hardware=Hardware(cpu=_cpu_name(), cpu_count=os.cpu_count() or 0, gpus=gpus),
     )
     return StageResult(stage="probe", environment=environment, capabilities=CAPABILITIES,
-                       metrics={"torch": torch.__version__, "cuda_available": torch.cuda.is_available()})
+                       metrics={"torch": str(torch.__version__), "cuda_available": torch.cuda.is_available()})
 
 
 def build_policy(request: StageRequest) -> StageResult:
@@ -276,5 +277,6 @@ def evaluate(request: StageRequest) -> StageResult:
                                     for c in transcript.tool_calls],
                         stack_reward=score.reward, success=score.success, finish_reason=finish,
                     ))
+    shutil.rmtree(Path(request.out_dir) / "scratch", ignore_errors=True)
     return StageResult(stage="evaluate", metrics={"counts": counts, "decoding": "greedy"},
                        files={"eval": "eval.jsonl"})

@@ -38,6 +38,12 @@ class TinyRecipe:
     sft_learning_rate: float = 3e-3
 
 
+def trainer_device_args(gpus: int = 0) -> dict[str, Any]:
+    """TrainingArguments shared by every trainer here: fp32 on CPU, no reporting, no worker processes."""
+    return {"bf16": False, "fp16": False, "use_cpu": gpus == 0, "gradient_checkpointing": False,
+            "report_to": "none", "dataloader_num_workers": 0, "disable_tqdm": True}
+
+
 def deterministic_torch(seed: int) -> None:
     import torch
 
@@ -203,15 +209,9 @@ def sft(model, tokenizer, rows, out_dir: Path, *, steps: int, batch_size: int, l
         save_steps=save_steps or 500,
         seed=seed,
         data_seed=seed,
-        bf16=False,
-        fp16=False,
-        use_cpu=True,
-        gradient_checkpointing=False,
-        report_to="none",
-        dataloader_num_workers=0,
-        assistant_only_loss=False,
+        assistant_only_loss=False,  # the rows carry assistant_masks, which SFTTrainer always applies
         max_length=None,
-        disable_tqdm=True,
+        **trainer_device_args(),
     )
     trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
                          processing_class=tokenizer, callbacks=list(callbacks))

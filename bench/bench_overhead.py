@@ -1,0 +1,68 @@
+"""The runner's overhead on one stage against invoking the adapter directly, measured in the same run.
+
+Runs the trl probe stage three ways, `repeat` times each, and prints medians and ratios:
+- direct: the stack's python running the adapter launcher on a prepared request (the floor);
+- engine: LocalEngine.run (scrubbed env, process group, logs);
+- cli: `runner qualify --stages probe` (plan loading, policy resolution, gates, evidence, report).
+Needs the trl environment and tiny policy (`make demo` builds both; this reuses the cache).
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
+
+
+def timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def main(repeat: int = 3) -> None:
+    from runner._engine import LocalEngine
+    from runner._plan import load_plan
+    from runner._policy import resolve_policy
+    from runner._stacks import get_stack
+    from runner_contracts import StageRequest, write_record
+
+    engine = LocalEngine()
+    env = engine.prepare(get_stack("trl"))
+    plan = resolve_policy(load_plan(PLAN), engine)
+    runner_bin = Path(sys.executable).parent / "runner"
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        request = StageRequest(run_id="bench", stack="trl", stage="probe", plan=plan, out_dir=str(tmp / "direct"))
+        (tmp / "direct").mkdir()
+        request_path = write_record(tmp / "direct" / "request.json", request)
+
+        def direct() -> None:
+            subprocess.run([str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)],
+                           cwd=tmp / "direct", check=True, capture_output=True)
+
+        def via_engine() -> None:
+            assert engine.run(env, request, timeout_s=300).ok
+
+        counter = iter(range(1000))
+
+        def via_cli() -> None:
+            subprocess.run([str(runner_bin), "qualify", "--stack", "trl", "--plan", str(PLAN), "--stages", "probe",
+                            "--run-dir", str(tmp / f"cli{next(counter)}"), "--json"], check=True, capture_output=True)
+
+        results = {name: statistics.median(timed(fn) for _ in range(repeat))
+                   for name, fn in (("direct", direct), ("engine", via_engine), ("cli", via_cli))}
+    base = results["direct"]
+    print(f"probe stage, median of {repeat}")
+    for name, seconds in results.items():
+        print(f"{name:<8}{seconds:>8.2f} s{seconds / base:>8.2f}x direct")
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)

@@ -1,0 +1,103 @@
+"""Validation + audit throughput against a bare JSON parse of the same file, in the same run.
+
+Generates a large trajectories.jsonl / training.jsonl pair, then measures (each in a fresh process, for
+a clean peak-RSS reading): json.loads per line (baseline), `runner validate` (schema + consistency),
+and the host trace audit. Prints MB/s, records/s, peak memory and ratios against the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES = ("json-baseline", "validate", "audit")
+
+
+def generate(folder: Path, episodes: int) -> tuple[Path, Path]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import make_episode
+
+    from runner_contracts import JsonlWriter, Segment
+
+    trajectories, training = folder / "trajectories.jsonl", folder / "training.jsonl"
+    with JsonlWriter(trajectories) as tw, JsonlWriter(training) as rw:
+        for index in range(episodes):
+            group, sample = divmod(index, 4)
+            t, r = make_episode(step=1, group=group, sample=sample, reward=float(sample % 2))
+            # Realistic lengths: ~40 prompt tokens, ~60 policy tokens per episode.
+            prompt = list(range(1, 41))
+            policy = [(index + k) % 600 for k in range(60)]
+            logprobs = [-0.01 * (k % 7) for k in range(60)]
+            t = type(t)(**{**{f: getattr(t, f) for f in t.__struct_fields__},
+                           "segments": [Segment(source="prompt", token_ids=prompt, text="p" * 120),
+                                        Segment(source="policy", token_ids=policy, logprobs=logprobs, text="c" * 150)]})
+            r = type(r)(**{**{f: getattr(r, f) for f in r.__struct_fields__},
+                           "input_ids": prompt + policy, "loss_mask": [0] * 40 + [1] * 60,
+                           "old_logprobs": [0.0] * 40 + logprobs})
+            tw.write(t)
+            rw.write(r)
+    return trajectories, training
+
+
+def measure(mode: str, trajectories: Path, training: Path) -> dict:
+    started = time.perf_counter()
+    records = 0
+    if mode == "json-baseline":
+        with open(trajectories, "rb") as handle:
+            for line in handle:
+                json.loads(line)
+                records += 1
+    elif mode == "validate":
+        from runner._validate import validate_file
+
+        report = validate_file(trajectories)
+        assert report.ok, report.errors[:3]
+        records = report.records
+    else:
+        from qualification.gates import TraceAudit
+        from runner_contracts import TrainingRow, Trajectory, iter_jsonl
+
+        audit = TraceAudit(vocab_size=1000, group_size=4, tolerance=1e-3)
+        audit.add_trajectories(r for _, r in iter_jsonl(trajectories, Trajectory))
+        audit.add_rows(r for _, r in iter_jsonl(training, TrainingRow))
+        gates = audit.gates()
+        assert all(g.passed for g in gates), [g for g in gates if not g.passed]
+        records = audit.counts["episodes"]
+    seconds = time.perf_counter() - started
+    return {"mode": mode, "seconds": seconds, "records": records,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--episodes", type=int, default=40000)
+    parser.add_argument("--child", nargs=3, metavar=("MODE", "TRAJ", "TRAIN"))
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child[0], Path(args.child[1]), Path(args.child[2]))))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        trajectories, training = generate(Path(tmp), args.episodes)
+        size_mb = trajectories.stat().st_size / 1e6
+        results = {}
+        for mode in MODES:
+            out = subprocess.run([sys.executable, __file__, "--child", mode, str(trajectories), str(training)],
+                                 capture_output=True, text=True, check=True).stdout
+            results[mode] = json.loads(out)
+    base = results["json-baseline"]
+    print(f"trajectories.jsonl: {args.episodes} episodes, {size_mb:.1f} MB")
+    print(f"{'mode':<14}{'MB/s':>9}{'records/s':>12}{'peak MB':>9}{'time vs json':>14}")
+    for mode, r in results.items():
+        print(f"{mode:<14}{size_mb / r['seconds']:>9.1f}{r['records'] / r['seconds']:>12.0f}{r['peak_rss_mb']:>9.0f}"
+              f"{r['seconds'] / base['seconds']:>13.2f}x")
+    print("(audit reads training.jsonl too and keeps an episode index; validate streams in constant memory)")
+
+
+if __name__ == "__main__":
+    main()

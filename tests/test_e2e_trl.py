@@ -1,0 +1,119 @@
+"""End to end on the real trl==1.16.0 stack (CPU, tiny policy): what `make demo` does, audited.
+
+Slow: the first run builds the trl environment (~1.5 min) and the tiny policy (~4 min); both are
+cached under RUNNER_CACHE_DIR (default ~/.cache/runner) and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
+RUNNER = str(Path(sys.executable).parent / "runner")
+
+pytestmark = pytest.mark.slow
+
+
+def runner(*args: str, check: bool = False) -> subprocess.CompletedProcess:
+    result = subprocess.run([RUNNER, *args], capture_output=True, text=True, env={
+        **__import__("os").environ, "COLUMNS": "400"})
+    if check and result.returncode != 0:
+        raise AssertionError(f"runner {' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("runs") / "trl-demo"
+    result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--run-dir", str(run_dir), "--json")
+    summary = json.loads(result.stdout)
+    assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}\n{result.stderr[-3000:]}"
+    return run_dir
+
+
+def test_every_stage_passes(demo_run):
+    summary = json.loads((demo_run / "summary.json").read_text())
+    assert summary["stages"] == {s: "passed" for s in
+                                 ("probe", "service", "rollout", "update", "resume", "train", "evaluate")}
+    assert summary["max_logprob_gap"] <= 1e-3
+    for split in ("heldout", "retention"):
+        assert summary["evaluation"][split]["verdict"] in ("improved", "inconclusive", "regressed")
+    evidence = json.loads((demo_run / "stages" / "probe" / "evidence.json").read_text())
+    assert evidence["environment"]["upstream"] == {"name": "trl", "version": "1.16.0", "git_revision": None}
+    assert evidence["environment"]["packages"]["torch"].startswith("2.13.0")
+    assert "Gates" in (demo_run / "report.md").read_text()
+
+
+def test_rollout_is_real_multi_turn_tool_use(demo_run):
+    gates = {g["name"]: g for g in json.loads((demo_run / "stages" / "rollout" / "evidence.json").read_text())["gates"]}
+    assert gates["signal:tool-calls"]["measured"] > 0.5
+    assert gates["signal:reward-variance"]["passed"]
+    first = json.loads((demo_run / "stages" / "rollout" / "trajectories.jsonl").read_text().splitlines()[0])
+    sources = [s["source"] for s in first["segments"]]
+    assert sources[:3] == ["prompt", "policy", "tool"], sources
+
+
+def test_validate_accepts_demo_output_and_rejects_corruption(demo_run, tmp_path):
+    files = [demo_run / "stages" / stage / name for stage in ("rollout", "train")
+             for name in ("trajectories.jsonl", "training.jsonl")]
+    assert runner("validate", *map(str, files)).returncode == 0
+    bad = tmp_path / "trajectories.jsonl"
+    shutil.copy(files[0], bad)
+    lines = bad.read_text().splitlines(keepends=True)
+    record = json.loads(lines[2])
+    record["segments"][1]["logprobs"].append(-0.5)
+    lines[2] = json.dumps(record) + "\n"
+    bad.write_text("".join(lines))
+    result = runner("validate", str(bad))
+    assert result.returncode == 1
+    assert f"{bad}:3: segments[1].logprobs" in result.stderr.replace("\n", "")
+
+
+def test_second_run_reuses_environment_and_policy(demo_run, tmp_path):
+    result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--stages", "probe",
+                    "--run-dir", str(tmp_path / "again"))
+    assert result.returncode == 0, result.stderr
+    assert "reusing trl environment" in result.stderr and "building" not in result.stderr
+    first = json.loads((demo_run / "plan.json").read_text())
+    second = json.loads((tmp_path / "again" / "plan.json").read_text())
+    assert first["plan_id"] == second["plan_id"] and first["policy"]["sha256"] == second["policy"]["sha256"]
+
+
+def test_failed_gate_stops_the_arm_and_keeps_evidence(tmp_path):
+    # Sampling this hot, the warm-started policy never succeeds: no reward variance, nothing to learn.
+    plan = tmp_path / "hot.yaml"
+    plan.write_text(PLAN.read_text().replace("temperature: 1.3", "temperature: 8.0"))
+    run_dir = tmp_path / "hot"
+    result = runner("qualify", "--stack", "trl", "--plan", str(plan), "--run-dir", str(run_dir), "--json")
+    assert result.returncode == 1
+    summary = json.loads(result.stdout)
+    assert summary["stages"]["rollout"] == "failed"
+    assert "rollout:signal:reward-variance" in summary["failed_gates"]
+    assert all(summary["stages"][s] == "skipped" for s in ("update", "resume", "train", "evaluate"))
+    evidence = json.loads((run_dir / "stages" / "rollout" / "evidence.json").read_text())
+    assert any(a["path"].endswith("trajectories.jsonl") and a["records"] > 0 for a in evidence["artifacts"])
+
+
+def test_tiny_policy_is_deterministic(tmp_path):
+    digests = []
+    for name in ("a", "b"):
+        result = runner("policy", "tiny", "--out", str(tmp_path / name), "--sft-steps", "4", "--rebuild", "--json")
+        assert result.returncode == 0, result.stderr
+        digests.append(json.loads(result.stdout)["sha256"])
+    assert digests[0] == digests[1]
+
+
+def test_bad_plan_is_one_clear_line(tmp_path):
+    plan = tmp_path / "bad.yaml"
+    plan.write_text(PLAN.read_text().replace("prompts_per_step: 8", "prompts_per_step: eight"))
+    result = runner("qualify", "--stack", "trl", "--plan", str(plan))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert f"{plan}:17: field budget.prompts_per_step: Expected `int`, got `str`" in result.stderr.replace("\n", "")

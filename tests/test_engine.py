@@ -1,0 +1,126 @@
+"""The local engine against a real virtualenv: a minimal stack whose lock pins only msgspec.
+
+The adapter here is a test double for a stack (it drives no upstream package); the engine, venv,
+pip, process groups and timeouts are all real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from runner._engine import ENV_MARKER, LocalEngine
+from runner._stacks import load_manifest
+from runner_contracts import StageRequest, StageResult, read_record
+
+from test_contracts import PLAN
+from runner._plan import load_plan
+
+ADAPTER = '''
+import json, os, time
+from pathlib import Path
+from runner_contracts import StageResult
+
+def run(request):
+    if request.stage == "sleep":
+        Path("child.pid").write_text(str(os.getpid()))
+        time.sleep(600)
+    if request.stage == "fail":
+        raise ValueError("the adapter refused: bad option")
+    Path("env.json").write_text(json.dumps(dict(os.environ)))
+    return StageResult(stage=request.stage, metrics={"cwd": os.getcwd()})
+'''
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stacks") / "echo"
+    (root / "adapter" / "src" / "echo_adapter").mkdir(parents=True)
+    (root / "adapter" / "src" / "echo_adapter" / "__init__.py").write_text(ADAPTER)
+    (root / "adapter" / "pyproject.toml").write_text(textwrap.dedent('''
+        [build-system]
+        requires = ["setuptools>=61"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "runner-stack-echo"
+        version = "0.0.1"
+        [tool.setuptools.packages.find]
+        where = ["src"]
+    '''))
+    (root / "requirements.lock").write_text("msgspec==0.23.0\nsetuptools==84.2.1\n")
+    (root / "stack.toml").write_text(textwrap.dedent('''
+        name = "echo"
+        description = "test double stack"
+        python = "3.11"
+        lock = "requirements.lock"
+        adapter = "echo_adapter:run"
+        adapter_package = "adapter"
+        stages = ["probe"]
+        [upstream]
+        name = "msgspec"
+        version = "0.23.0"
+    '''))
+    return load_manifest(root / "stack.toml")
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return LocalEngine(cache_root=tmp_path_factory.mktemp("cache"))
+
+
+def request(stage: str, out: Path) -> StageRequest:
+    return StageRequest(run_id="r", stack="echo", stage=stage, plan=load_plan(PLAN), out_dir=str(out))
+
+
+def test_environment_is_built_once_and_reused(stack, engine):
+    env = engine.prepare(stack)
+    marker = (env.path / ENV_MARKER).stat().st_mtime_ns
+    again = engine.prepare(stack)
+    assert again.path == env.path and (again.path / ENV_MARKER).stat().st_mtime_ns == marker
+    assert env.path.name == f"echo-{engine.environment_key(stack, env.python_version)}"
+
+
+def test_changed_lock_gets_a_new_environment_key(stack, engine, tmp_path):
+    lock = tmp_path / "requirements.lock"
+    lock.write_text(stack.lock.read_text() + "# changed\n")
+    import dataclasses
+
+    changed = dataclasses.replace(stack, lock=lock)
+    assert engine.environment_key(changed, "3.11.7") != engine.environment_key(stack, "3.11.7")
+
+
+def test_adapter_runs_in_its_folder_with_a_scrubbed_environment(stack, engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("SECRET_TOKEN", "do-not-leak")
+    env = engine.prepare(stack)
+    out = tmp_path / "probe"
+    outcome = engine.run(env, request("probe", out), timeout_s=60)
+    assert outcome.ok
+    result = read_record(out / "result.json", StageResult)
+    assert Path(result.metrics["cwd"]) == out
+    seen = json.loads((out / "env.json").read_text())
+    assert "SECRET_TOKEN" not in seen
+    assert seen["HF_HUB_OFFLINE"] == "1" and seen["HOME"].startswith(str(out))
+
+
+def test_adapter_failure_becomes_a_result_with_error(stack, engine, tmp_path):
+    env = engine.prepare(stack)
+    out = tmp_path / "fail"
+    outcome = engine.run(env, request("fail", out), timeout_s=60)
+    assert outcome.exit_code == 1
+    result = read_record(out / "result.json", StageResult)
+    assert result.error.kind == "ValueError" and "bad option" in result.error.message
+    assert "Traceback" in outcome.stderr.read_text()
+
+
+def test_timeout_kills_the_process_group(stack, engine, tmp_path):
+    env = engine.prepare(stack)
+    out = tmp_path / "sleep"
+    outcome = engine.run(env, request("sleep", out), timeout_s=3)
+    assert outcome.timed_out and not outcome.ok
+    pid = int((out / "child.pid").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
