@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+from rich.markup import escape
 from rich.table import Table
 
 from runner_contracts import Evidence, Plan, read_record, write_atomic
@@ -46,12 +47,12 @@ def gate_table(evidence: list[Evidence], title: str) -> Table:
         style = STATUS_STYLE[record.status]
         if not record.gates:
             detail = record.error.message if record.error else ""
-            table.add_row(record.stage, f"[{style}]{record.status}[/]", detail[:80], "", "")
+            table.add_row(record.stage, f"[{style}]{record.status}[/]", escape(detail[:80]), "", "")
             continue
         for index, gate in enumerate(record.gates):
             mark = "[green]ok[/]" if gate.passed else "[red]FAIL[/]"
             table.add_row(record.stage if index == 0 else "", f"[{style}]{record.status}[/]" if index == 0 else "",
-                          f"{mark} {gate.name}", _short(gate.measured), _short(gate.threshold))
+                          f"{mark} {gate.name}", escape(_short(gate.measured)), escape(_short(gate.threshold)))
     return table
 
 
