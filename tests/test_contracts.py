@@ -106,3 +106,10 @@ def test_contracts_import_only_their_own_dependencies():
             "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_reader_names_a_record_of_the_wrong_kind(tmp_path, episodes):
+    path = tmp_path / "trajectories.jsonl"
+    path.write_bytes(encode(episodes[1][0]) + b"\n")
+    with pytest.raises(RecordError, match="contract: expected 'trajectory' record, got 'training-row'"):
+        read_jsonl(path, Trajectory)

@@ -31,6 +31,12 @@ def run(request):
         time.sleep(600)
     if request.stage == "fail":
         raise ValueError("the adapter refused: bad option")
+    if request.stage == "probe":
+        import importlib.metadata, platform
+        from runner_contracts import EnvironmentInfo
+        packages = {d.metadata["Name"]: d.version for d in importlib.metadata.distributions()}
+        return StageResult(stage="probe", capabilities=["cpu"], environment=EnvironmentInfo(
+            engine="", python=platform.python_version(), packages=packages))
     Path("env.json").write_text(json.dumps(dict(os.environ)))
     return StageResult(stage=request.stage, metrics={"cwd": os.getcwd()})
 '''
@@ -60,6 +66,7 @@ def stack(tmp_path_factory):
         adapter = "echo_adapter:run"
         adapter_package = "adapter"
         stages = ["probe"]
+        capabilities = ["cpu"]
         [upstream]
         name = "msgspec"
         version = "0.23.0"
@@ -96,8 +103,8 @@ def test_changed_lock_gets_a_new_environment_key(stack, engine, tmp_path):
 def test_adapter_runs_in_its_folder_with_a_scrubbed_environment(stack, engine, tmp_path, monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "do-not-leak")
     env = engine.prepare(stack)
-    out = tmp_path / "probe"
-    outcome = engine.run(env, request("probe", out), timeout_s=60)
+    out = tmp_path / "echo"
+    outcome = engine.run(env, request("echo", out), timeout_s=60)
     assert outcome.ok
     result = read_record(out / "result.json", StageResult)
     assert Path(result.metrics["cwd"]) == out
@@ -124,3 +131,35 @@ def test_timeout_kills_the_process_group(stack, engine, tmp_path):
     pid = int((out / "child.pid").read_text())
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_probe_gate_names_the_drifted_package(stack, engine, tmp_path):
+    """A real drift: a different msgspec is installed into the built environment after the fact."""
+    import subprocess
+    import sys
+
+    env = engine.prepare(stack)
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "model.safetensors").write_bytes(b"weights are only hashed by the host")
+    (policy / "config.json").write_text('{"vocab_size": 10}')
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.read_text().replace("  kind: tiny ", f"  path: {policy}\n  kind: path "))
+    cli = [str(Path(sys.executable).parent / "runner"), "qualify", "--stack", "echo", "--plan", str(plan),
+           "--stages", "probe", "--json"]
+    environ = {**os.environ, "RUNNER_STACKS_DIR": str(stack.folder.parent),
+               "RUNNER_CACHE_DIR": str(engine.root.parent), "COLUMNS": "300"}
+    clean = subprocess.run([*cli, "--run-dir", str(tmp_path / "clean")], capture_output=True, text=True, env=environ)
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    subprocess.run([str(env.python), "-m", "pip", "install", "-q", "--no-deps", "msgspec==0.22.0"], check=True,
+                   capture_output=True)
+    try:
+        drifted = subprocess.run([*cli, "--run-dir", str(tmp_path / "drifted")], capture_output=True, text=True,
+                                 env=environ)
+        assert drifted.returncode == 1
+        evidence = json.loads((tmp_path / "drifted" / "stages" / "probe" / "evidence.json").read_text())
+        gate = next(g for g in evidence["gates"] if g["name"] == "probe:lock-match")
+        assert not gate["passed"] and "msgspec: locked 0.23.0, installed 0.22.0" in gate["detail"]
+    finally:
+        subprocess.run([str(env.python), "-m", "pip", "install", "-q", "--no-deps", "msgspec==0.23.0"], check=True,
+                       capture_output=True)

@@ -34,6 +34,7 @@ class _Header(msgspec.Struct):
 
 
 _header_decoder = msgspec.json.Decoder(_Header)
+_CONTRACT_NAMES = {record_type: name for name, record_type in RECORD_TYPES.items()}
 _MSGSPEC_PATH = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
 
 
@@ -73,7 +74,7 @@ def _raise_with_version_hint(data: bytes, record_type: type[Record], path, line)
         header = _header_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return
-    expected = record_type.__struct_fields__ and getattr(record_type, "contract", None)
+    expected = _CONTRACT_NAMES.get(record_type)
     if isinstance(header.version, int) and header.version > SUPPORTED_VERSION:
         raise RecordError(path, line, "version",
                           f"version {header.version} is newer than this reader supports ({SUPPORTED_VERSION}); "
@@ -112,10 +113,6 @@ def encode(record: Record) -> bytes:
 
 def read_record(path: str | os.PathLike[str], record_type: type[R]) -> R:
     return decode_record(Path(path).read_bytes(), record_type, path)
-
-
-def contract_type(name: str) -> type[Record]:
-    return RECORD_TYPES[name]
 
 
 class JsonlWriter:

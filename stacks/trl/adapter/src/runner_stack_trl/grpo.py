@@ -10,13 +10,13 @@ CapturingGRPOTrainer changes nothing about how TRL samples or trains. It records
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 from qualification.tasks import get_family
 from runner_contracts import (
-    ErrorInfo,
     JsonlWriter,
     Plan,
     Segment,
@@ -67,10 +67,10 @@ class TaskReward:
 class Recorder:
     """Writes trajectories.jsonl and training.jsonl for every training batch."""
 
-    def __init__(self, out_dir: Path, *, run_id: str, stack: str, stage: str, plan: Plan, initial_revision: str,
+    def __init__(self, out_dir: Path, *, run_id: str, stack: str, stage: str, initial_revision: str,
                  checkpoint_dir: Path, resume_from: str | None = None):
         self.resume_from = Path(resume_from) if resume_from else None
-        self.run_id, self.stack, self.stage, self.plan = run_id, stack, stage, plan
+        self.run_id, self.stack, self.stage = run_id, stack, stage
         self.initial_revision = initial_revision
         self.checkpoint_dir = checkpoint_dir
         self.trajectories = JsonlWriter(out_dir / "trajectories.jsonl")
@@ -162,8 +162,6 @@ class Recorder:
 
 
 def get_item_id(example: dict[str, Any]) -> str:
-    import json
-
     return json.loads(example["item"])["task_id"]
 
 
@@ -281,6 +279,3 @@ def build_trainer(plan: Plan, policy_dir: Path, output_dir: Path, *, steps: int,
         task_reward=task_reward,
     )
 
-
-def error_info(error: BaseException) -> ErrorInfo:
-    return ErrorInfo(kind=type(error).__name__, message=str(error))

@@ -156,7 +156,7 @@ def _recorder(request: StageRequest, checkpoint_dir: Path):
     from .grpo import Recorder
 
     return Recorder(Path(request.out_dir), run_id=request.run_id, stack=request.stack, stage=request.stage,
-                    plan=request.plan, initial_revision=sha256_file(Path(request.policy_dir) / "model.safetensors"),
+                    initial_revision=sha256_file(Path(request.policy_dir) / "model.safetensors"),
                     checkpoint_dir=checkpoint_dir, resume_from=request.resume_from)
 
 
