@@ -199,7 +199,8 @@ class LocalEngine:
         killed = timed_out = False
         with open(stdout, "wb") as out, open(stderr, "wb") as err:
             process = subprocess.Popen(cmd, cwd=out_dir, env=scrubbed_env(env.path / "bin", out_dir / ".home"),
-                                       stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True)
+                                       stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
+                                       preexec_fn=_die_with_parent)
             try:
                 while True:
                     try:
@@ -219,6 +220,14 @@ class LocalEngine:
         shutil.rmtree(out_dir / ".home", ignore_errors=True)
         return RunOutcome(exit_code=process.returncode, killed=killed, timed_out=timed_out,
                           seconds=time.monotonic() - started, stdout=stdout, stderr=stderr)
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: on Linux it gets SIGKILL if the runner dies, so no stage outlives it."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _kill_group(process: subprocess.Popen) -> None:

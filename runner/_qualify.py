@@ -17,6 +17,7 @@ from qualification.gates import (
     TraceAudit,
     checkpoint_revisions,
     evaluate_gates,
+    sft_gates,
     latest_complete_checkpoint,
     lock_gate,
     resume_gates,
@@ -27,6 +28,7 @@ from runner_contracts import (
     PARTIAL_SUFFIX,
     Artifact,
     Checkpoint,
+    Demonstration,
     EnvironmentInfo,
     ErrorInfo,
     EvalRecord,
@@ -51,6 +53,8 @@ from ._policy import vocab_size
 from ._stacks import StackManifest, normalise
 
 STAGES = ("probe", "service", "rollout", "update", "resume", "train", "evaluate")
+# SFT trains on demonstrations, not sampled episodes: there is no rollout to audit.
+RECIPE_STAGES = {"grpo": STAGES, "sft": tuple(s for s in STAGES if s != "rollout")}
 
 
 def now() -> str:
@@ -205,7 +209,11 @@ def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageO
     out = arm.stage_dir(stage)
     _, result = run_adapter(arm, stage, out, steps=steps)
     revisions, incomplete = checkpoint_revisions(out / "checkpoints")
-    gates, metrics = audit_trace(arm, out, signal=signal, revisions=revisions)
+    if arm.plan.recipe == "sft":
+        gates, metrics = sft_gates(read_jsonl(out / "demonstrations.jsonl", Demonstration),
+                                   read_jsonl(out / "training.jsonl", TrainingRow), steps)
+    else:
+        gates, metrics = audit_trace(arm, out, signal=signal, revisions=revisions)
     losses = [float(x) for x in (result.metrics.get("loss", []) if result else [])]
     gates += update_gates(losses, steps, arm.plan.policy.sha256 or "", revisions, incomplete)
     metrics.update(loss=losses, steps=steps)
@@ -246,20 +254,30 @@ def stage_resume(arm: Arm) -> StageOutput:
     resumed_from = int(checkpoint.name.split("-")[1])
     arm.on_event("resume", f"resuming from {checkpoint.name}")
     run_adapter(arm, "train", resumed, steps=steps, resume_from=checkpoint)
-    partial = interrupted / ("trajectories.jsonl" + PARTIAL_SUFFIX)
-    interrupted_episodes = read_jsonl(partial, Trajectory, allow_truncated_tail=True) if partial.is_file() else []
+    sft = arm.plan.recipe == "sft"
+    trajectories = {name: [] if sft else _read_any(folder, "trajectories.jsonl", Trajectory)
+                    for name, folder in (("plain", plain), ("interrupted", interrupted), ("resumed", resumed))}
+    rows = {name: _read_any(folder, "training.jsonl", TrainingRow)
+            for name, folder in (("plain", plain), ("interrupted", interrupted), ("resumed", resumed))}
     final_plain = checkpoint_revisions(plain / "checkpoints")[0].get(steps)
     final_resumed = checkpoint_revisions(resumed / "checkpoints")[0].get(steps)
-    gates = resume_gates(
-        read_jsonl(plain / "trajectories.jsonl", Trajectory), interrupted_episodes,
-        read_jsonl(resumed / "trajectories.jsonl", Trajectory),
-        read_jsonl(plain / "training.jsonl", TrainingRow), read_jsonl(resumed / "training.jsonl", TrainingRow),
-        resumed_from, final_plain, final_resumed, incomplete)
-    trace_gates, _ = audit_trace(arm, plain, signal=False, revisions=checkpoint_revisions(plain / "checkpoints")[0])
+    gates = resume_gates(trajectories["plain"], trajectories["interrupted"], trajectories["resumed"],
+                         rows["plain"], rows["interrupted"], rows["resumed"],
+                         resumed_from, final_plain, final_resumed, incomplete)
+    if not sft:
+        trace_gates, _ = audit_trace(arm, plain, signal=False, revisions=checkpoint_revisions(plain / "checkpoints")[0])
+        gates += [g for g in trace_gates if g.name == "trace:trained-equals-sampled"]
     return StageOutput(metrics={"steps": steps, "killed_after_step": kill_step, "resumed_from": checkpoint.name,
-                                "interrupted_episodes": len(interrupted_episodes),
-                                "kill_to_exit_s": round(outcome.seconds, 3)},
-                       gates=gates + [g for g in trace_gates if g.name == "trace:trained-equals-sampled"])
+                                "interrupted_records": len(trajectories["interrupted"]) + len(rows["interrupted"]),
+                                "kill_to_exit_s": round(outcome.seconds, 3)}, gates=gates)
+
+
+def _read_any(folder: Path, name: str, record_type):
+    """Records of a finished file, or of its .partial twin left by a killed writer (whole lines only)."""
+    if (folder / name).is_file():
+        return read_jsonl(folder / name, record_type)
+    partial = folder / (name + PARTIAL_SUFFIX)
+    return read_jsonl(partial, record_type, allow_truncated_tail=True) if partial.is_file() else []
 
 
 def stage_evaluate(arm: Arm) -> StageOutput:

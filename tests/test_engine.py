@@ -163,3 +163,35 @@ def test_probe_gate_names_the_drifted_package(stack, engine, tmp_path):
     finally:
         subprocess.run([str(env.python), "-m", "pip", "install", "-q", "--no-deps", "msgspec==0.23.0"], check=True,
                        capture_output=True)
+
+
+def test_adapter_dies_with_the_runner(stack, engine, tmp_path):
+    """SIGKILL the host process: its adapter must not outlive it (parent-death signal)."""
+    import subprocess
+    import sys
+    import time
+
+    env = engine.prepare(stack)
+    out = tmp_path / "orphan"
+    script = (f"from runner._engine import LocalEngine; from runner._stacks import load_manifest; "
+              f"from test_engine import request; from pathlib import Path; "
+              f"e = LocalEngine(cache_root=Path({str(engine.root.parent)!r})); "
+              f"env = e.prepare(load_manifest(Path({str(stack.folder / 'stack.toml')!r}))); "
+              f"e.run(env, request('sleep', Path({str(out)!r})), timeout_s=600)")
+    host = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).parent)
+    pid_file = out / "child.pid"
+    deadline = time.monotonic() + 60
+    while not pid_file.is_file() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    host.kill()
+    host.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, 9)
+    raise AssertionError("the adapter outlived the runner")

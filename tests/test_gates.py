@@ -85,9 +85,27 @@ def test_lock_gate_names_the_drifted_package():
 def test_resume_gates_detect_a_different_token():
     plain = [make_episode(step=s, group=0, sample=0, stage="train")[0] for s in (1, 2)]
     rows = [make_episode(step=s, group=0, sample=0, stage="train")[1] for s in (1, 2)]
-    ok = resume_gates(plain, plain[:1], plain[1:], rows, rows, 1, "f" * 64, "f" * 64, [])
+    ok = resume_gates(plain, plain[:1], plain[1:], rows, rows[:1], rows[1:], 1, "f" * 64, "f" * 64, [])
     assert all(g.passed for g in ok)
     changed = msgspec.structs.replace(plain[1], segments=[*plain[1].segments[:-1], msgspec.structs.replace(
         plain[1].segments[-1], token_ids=[12, 14])])
-    bad = {g.name: g for g in resume_gates(plain, plain[:1], [changed], rows, rows, 1, "f" * 64, "e" * 64, [])}
+    bad = {g.name: g for g in resume_gates(plain, plain[:1], [changed], rows, rows[:1], rows[1:], 1,
+                                           "f" * 64, "e" * 64, [])}
     assert not bad["resume:same-tokens"].passed and not bad["resume:same-final-weights"].passed
+    reordered = {g.name: g for g in resume_gates(plain, plain[:1], plain[1:], rows, rows[:1], rows[:1], 1,
+                                                 "f" * 64, "f" * 64, [])}
+    assert not reordered["resume:same-order"].passed
+
+
+def test_sft_gates():
+    from qualification.gates import sft_gates
+    from runner_contracts import Demonstration, TrainingRow
+
+    demos = [Demonstration(task_id="a", input_ids=[1, 2, 3, 4], target_mask=[0, 0, 1, 1])]
+    row = TrainingRow(step=1, row_id="r0", episode_ids=["a"], input_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1],
+                      advantage=1.0)
+    gates, metrics = sft_gates(demos, [row], 1)
+    assert all(g.passed for g in gates) and metrics["trained_tokens"] == 2
+    leaky = msgspec.structs.replace(row, loss_mask=[0, 1, 1, 1])
+    gates = {g.name: g for g in sft_gates(demos, [leaky], 2)[0]}
+    assert not gates["sft:mask-equals-targets"].passed and not gates["sft:every-step-recorded"].passed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import typer
 
 from . import policy, qualify, report, stacks, validate
@@ -22,5 +24,11 @@ app.command("validate")(validate.validate)
 app.command("report")(report.report)
 
 
+def _terminate(signum, frame) -> None:
+    # SIGTERM unwinds like Ctrl-C, so running stages are killed and their evidence marked.
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _terminate)
     app()

@@ -12,7 +12,7 @@ from .._engine import LocalEngine
 from .._errors import UserError
 from .._plan import load_plan
 from .._policy import resolve_policy
-from .._qualify import STAGES, Arm, default_run_dir, run_arm
+from .._qualify import RECIPE_STAGES, STAGES, Arm, default_run_dir, run_arm
 from .._report import gate_table, write_report
 from .._stacks import get_stack
 from ._common import cli_errors, console, err_console, print_json
@@ -21,6 +21,7 @@ ENGINES = ("local",)
 
 
 def _parse_stages(text: str | None, available: tuple[str, ...]) -> list[str]:
+    """Stages to run, in order: the requested ones, or every stage the stack and the recipe have."""
     if not text:
         return [stage for stage in STAGES if stage in available]
     wanted = [s.strip() for s in text.split(",") if s.strip()]
@@ -52,8 +53,8 @@ def qualify(
         if engine not in ENGINES:
             raise UserError(f"--engine {engine!r}: available engines are {', '.join(ENGINES)}")
         manifest = get_stack(stack)
-        selected = _parse_stages(stages, manifest.stages)
         plan = load_plan(plan_path)
+        selected = _parse_stages(stages, tuple(s for s in manifest.stages if s in RECIPE_STAGES[plan.recipe]))
         log = (lambda message: err_console.print(f"[dim]{message}[/]")) if not json_output else (lambda m: None)
         local = LocalEngine(log=log)
         with err_console.status(f"preparing the {stack} environment and the policy"):

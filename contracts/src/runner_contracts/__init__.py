@@ -22,6 +22,7 @@ from .records import (
     Artifact,
     BudgetSpec,
     Checkpoint,
+    Demonstration,
     EnvironmentInfo,
     ErrorInfo,
     EvalRecord,
@@ -46,7 +47,7 @@ from .records import (
 )
 
 __all__ = [
-    "PARTIAL_SUFFIX", "RECORD_TYPES", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "Checkpoint",
+    "PARTIAL_SUFFIX", "RECORD_TYPES", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "Checkpoint", "Demonstration",
     "EnvironmentInfo", "ErrorInfo", "EvalRecord", "Evidence", "GateResult", "GateSpec", "Hardware",
     "JsonlWriter", "Plan", "PolicySpec", "Record", "RecordError", "RewardSpec", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageRequest", "StageResult", "TaskSpec", "TrainingRow",

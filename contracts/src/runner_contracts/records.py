@@ -82,6 +82,7 @@ class Plan(Record, kw_only=True):
     contract: Literal["plan"] = "plan"
     version: int = 1
     name: str
+    recipe: Literal["grpo", "sft"] = "grpo"  # grpo: sampled episodes + rewards; sft: demonstrations
     task: TaskSpec
     policy: PolicySpec
     reward: RewardSpec
@@ -145,6 +146,16 @@ class TrainingRow(Record, kw_only=True):
     loss_mask: list[Annotated[int, msgspec.Meta(ge=0, le=1)]]
     advantage: float
     old_logprobs: list[float] | None = None
+
+
+class Demonstration(Record, kw_only=True):
+    """An SFT target as the stack rendered it: target_mask is 1 on tokens the loss should cover."""
+
+    contract: Literal["demonstration"] = "demonstration"
+    version: int = 1
+    task_id: str
+    input_ids: list[TokenId]
+    target_mask: list[Annotated[int, msgspec.Meta(ge=0, le=1)]]
 
 
 # --- evidence.json -------------------------------------------------------------------------------
@@ -281,6 +292,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
     "plan": Plan,
     "trajectory": Trajectory,
     "training-row": TrainingRow,
+    "demonstration": Demonstration,
     "evidence": Evidence,
     "stage-request": StageRequest,
     "stage-result": StageResult,

@@ -10,9 +10,10 @@ from .stages import (
     service_gates,
     update_gates,
 )
+from .sft import sft_gates
 from .trace import TraceAudit
 
 __all__ = [
     "COMPLETE_MARKER", "TraceAudit", "checkpoint_revisions", "evaluate_gates", "latest_complete_checkpoint",
-    "lock_gate", "resume_gates", "service_gates", "update_gates",
+    "lock_gate", "resume_gates", "service_gates", "sft_gates", "update_gates",
 ]

@@ -107,35 +107,40 @@ def update_gates(losses: list[float], expected_steps: int, initial_revision: str
     ]
 
 
-def _episode_key(t: Trajectory) -> tuple[int, str, int]:
-    # episode ids carry the stage name; order and identity across runs are (step, group, sample).
-    return t.step, t.group_id.rsplit("/", 1)[-1], t.sample_index
-
-
 def resume_gates(uninterrupted: list[Trajectory], interrupted: list[Trajectory], resumed: list[Trajectory],
-                 uninterrupted_rows: list[TrainingRow], resumed_rows: list[TrainingRow], kill_step: int,
-                 final_uninterrupted: str | None, final_resumed: str | None, ignored_partial: list[str]) -> list[GateResult]:
-    """The interrupted run (up to the kill) plus the resumed run must replay the uninterrupted run."""
-    stitched = [t for t in interrupted if t.step <= kill_step] + [t for t in resumed if t.step > kill_step]
-    order_a = [(_episode_key(t), t.task_id) for t in uninterrupted]
-    order_b = [(_episode_key(t), t.task_id) for t in stitched]
-    tokens_a = {_episode_key(t): [s.token_ids for s in t.segments] for t in uninterrupted}
-    tokens_b = {_episode_key(t): [s.token_ids for s in t.segments] for t in stitched}
+                 uninterrupted_rows: list[TrainingRow], interrupted_rows: list[TrainingRow],
+                 resumed_rows: list[TrainingRow], kill_step: int, final_uninterrupted: str | None,
+                 final_resumed: str | None, ignored_partial: list[str]) -> list[GateResult]:
+    """The interrupted run up to its last complete checkpoint, then the resumed run, must replay the
+    uninterrupted run: same episodes in the same order, same tokens, same rows, same final weights.
+    All three runs are the same stage, so episode and row ids are comparable."""
+    def stitch(before, after):
+        return [x for x in before if x.step <= kill_step] + [x for x in after if x.step > kill_step]
+
+    episodes = stitch(interrupted, resumed)
+    rows = stitch(interrupted_rows, resumed_rows)
+    order_a = [(t.step, t.episode_id, t.task_id) for t in uninterrupted] + [(r.step, r.row_id, tuple(r.episode_ids))
+                                                                           for r in uninterrupted_rows]
+    order_b = [(t.step, t.episode_id, t.task_id) for t in episodes] + [(r.step, r.row_id, tuple(r.episode_ids))
+                                                                      for r in rows]
+    tokens_a = {t.episode_id: [s.token_ids for s in t.segments] for t in uninterrupted}
+    tokens_b = {t.episode_id: [s.token_ids for s in t.segments] for t in episodes}
     differing = sorted(key for key in tokens_a if tokens_b.get(key) != tokens_a[key])
-    rows_a = [(r.step, r.input_ids, r.loss_mask) for r in uninterrupted_rows if r.step > kill_step]
-    rows_b = [(r.step, r.input_ids, r.loss_mask) for r in resumed_rows if r.step > kill_step]
-    replayed = [t for t in interrupted if t.step > kill_step]
+    rows_a = {r.row_id: (r.input_ids, r.loss_mask) for r in uninterrupted_rows}
+    rows_b = {r.row_id: (r.input_ids, r.loss_mask) for r in rows}
+    differing += sorted(key for key in rows_a if rows_b.get(key) != rows_a[key])
+    discarded = [t for t in interrupted if t.step > kill_step] + [r for r in interrupted_rows if r.step > kill_step]
     return [
         GateResult(name="resume:same-order", passed=order_a == order_b and bool(order_a),
                    measured=len(order_b), threshold=len(order_a),
-                   detail="same (step, group, sample, task) sequence" if order_a == order_b else
-                   "episode order differs after resume"),
-        GateResult(name="resume:same-tokens", passed=not differing and rows_a == rows_b and bool(tokens_a),
+                   detail="same episodes and rows in the same order" if order_a == order_b else
+                   "episode or row order differs after resume"),
+        GateResult(name="resume:same-tokens", passed=not differing and bool(rows_a),
                    measured=len(differing), threshold=0,
-                   detail=(f"episodes with different tokens: {differing[:3]}" if differing else
-                           "identical tokens in every episode and training row")
-                   + (f"; {len(replayed)} episodes sampled before the kill in step {kill_step + 1} were discarded "
-                      "and regenerated" if replayed else "")),
+                   detail=(f"differing episodes/rows: {differing[:3]}" if differing else
+                           "identical tokens and masks in every episode and training row")
+                   + (f"; {len(discarded)} records written after checkpoint {kill_step} before the kill were "
+                      "discarded and regenerated" if discarded else "")),
         GateResult(name="resume:same-final-weights", passed=final_uninterrupted is not None
                    and final_uninterrupted == final_resumed,
                    measured=(final_resumed or "")[:12], threshold=(final_uninterrupted or "")[:12],

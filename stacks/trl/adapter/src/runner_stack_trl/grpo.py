@@ -23,14 +23,11 @@ from runner_contracts import (
     TrainingRow,
     Trajectory,
     sha256_file,
-    write_atomic,
 )
 
+from .checkpoints import completion_marker
 from .environment import environment_class
 from .policy import deterministic_torch, prompt_messages, trainer_device_args
-
-COMPLETE_MARKER = "COMPLETE"
-
 
 def task_rows(family_name: str, split: str, n: int, seed: int) -> list[dict[str, Any]]:
     family = get_family(family_name)
@@ -176,24 +173,14 @@ def _runs(mask: list[int]):
 
 def _make_trainer_class():
     import torch
-    from transformers import TrainerCallback
     from trl import GRPOTrainer
-
-    class CompletionMarker(TrainerCallback):
-        """Marks a checkpoint complete only after the Trainer has written all of it."""
-
-        def on_save(self, args, state, control, **kwargs):
-            path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            digest = sha256_file(path / "model.safetensors")
-            write_atomic(path / COMPLETE_MARKER, f"{state.global_step} {digest}\n".encode())
-            return control
 
     class CapturingGRPOTrainer(GRPOTrainer):
         def __init__(self, *args, recorder: Recorder | None = None, task_reward: TaskReward, **kwargs):
             super().__init__(*args, **kwargs)
             self.recorder = recorder
             self.task_reward = task_reward
-            self.add_callback(CompletionMarker())
+            self.add_callback(completion_marker())
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations,
                                   has_tool_images=False):

@@ -193,6 +193,12 @@ def train(request: StageRequest) -> StageResult:
 
     steps = request.steps or (request.plan.gates.update_steps if request.stage == "update"
                               else request.plan.budget.steps)
+    if request.plan.recipe == "sft":
+        from .sft import train_sft
+
+        return StageResult(stage=request.stage, metrics=train_sft(request, steps),
+                           files={"demonstrations": "demonstrations.jsonl", "training": "training.jsonl",
+                                  "checkpoints": "checkpoints"})
     checkpoint_dir = Path(request.out_dir) / "checkpoints"
     recorder = _recorder(request, checkpoint_dir)
     trainer = build_trainer(request.plan, Path(request.policy_dir), checkpoint_dir, steps=steps, recorder=recorder,

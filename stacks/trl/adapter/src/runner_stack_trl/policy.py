@@ -160,13 +160,11 @@ def assistant_mask(tokenizer, ids: list[int]) -> list[int]:
 
 
 def sft_rows(tokenizer, recipe: TinyRecipe) -> list[dict[str, list[int]]]:
-    chat_template = training_chat_template(tokenizer)
     rows = []
-    for _, messages, tools in _conversations(recipe):
-        ids = tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=True, return_dict=False, chat_template=chat_template
-        )
-        rows.append({"input_ids": ids, "assistant_masks": assistant_mask(tokenizer, ids)})
+    for family_name in recipe.families:
+        for item in get_family(family_name).generate("train", recipe.demos_per_family, recipe.seed):
+            ids, mask = demonstration_ids(tokenizer, family_name, item)
+            rows.append({"input_ids": ids, "assistant_masks": mask})
     return rows
 
 
@@ -191,11 +189,13 @@ def build_model(tokenizer, recipe: TinyRecipe):
 
 
 def sft(model, tokenizer, rows, out_dir: Path, *, steps: int, batch_size: int, learning_rate: float, seed: int,
-        resume_from: str | None = None, save_steps: int | None = None, callbacks=()) -> dict[str, Any]:
-    """SFT on pre-tokenized rows with loss on assistant tokens only (TRL SFTTrainer)."""
+        resume_from: str | None = None, save_steps: int | None = None, callbacks=(), trainer_class=None,
+        gpus: int = 0) -> dict[str, Any]:
+    """SFT on pre-tokenized rows with loss on assistant tokens only (TRL SFTTrainer, or a subclass)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
+    trainer_class = trainer_class or SFTTrainer
     deterministic_torch(seed)
     config = SFTConfig(
         output_dir=str(out_dir),
@@ -204,20 +204,30 @@ def sft(model, tokenizer, rows, out_dir: Path, *, steps: int, batch_size: int, l
         learning_rate=learning_rate,
         lr_scheduler_type="cosine",
         warmup_steps=max(1, steps // 20),
-        logging_steps=max(1, steps // 10),
+        logging_steps=1 if save_steps else max(1, steps // 10),
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
         seed=seed,
         data_seed=seed,
         assistant_only_loss=False,  # the rows carry assistant_masks, which SFTTrainer always applies
         max_length=None,
-        **trainer_device_args(),
+        **trainer_device_args(gpus),
     )
-    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows),
+    trainer = trainer_class(model=model, args=config, train_dataset=Dataset.from_list(rows),
                          processing_class=tokenizer, callbacks=list(callbacks))
     result = trainer.train(resume_from_checkpoint=resume_from)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {"train_loss": result.training_loss, "losses": losses, "steps": trainer.state.global_step}
+
+
+def demonstration_ids(tokenizer, family_name: str, item) -> tuple[list[int], list[int]]:
+    """A family's demonstration of `item`, rendered as the GRPO loop renders episodes: (ids, assistant mask)."""
+    family = get_family(family_name)
+    tools = tool_methods(environment_class(family_name)()) or None
+    ids = tokenizer.apply_chat_template(prompt_messages(family_name, item.question) + family.demonstration(item),
+                                        tools=tools, tokenize=True, return_dict=False,
+                                        chat_template=training_chat_template(tokenizer))
+    return ids, assistant_mask(tokenizer, ids)
 
 
 def build_tiny_policy(out_dir: Path, recipe: TinyRecipe) -> dict[str, Any]:
