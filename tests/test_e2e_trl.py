@@ -117,3 +117,15 @@ def test_bad_plan_is_one_clear_line(tmp_path):
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert f"{plan}:17: field budget.prompts_per_step: Expected `int`, got `str`" in result.stderr.replace("\n", "")
+
+
+def test_sft_recipe_passes_every_gate(tmp_path):
+    plan = ROOT / "qualification" / "plans" / "calc-tool-sft-cpu.yaml"
+    result = runner("qualify", "--stack", "trl", "--plan", str(plan), "--run-dir", str(tmp_path / "sft"), "--json")
+    summary = json.loads(result.stdout)
+    assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}"
+    assert list(summary["stages"]) == ["probe", "service", "update", "resume", "train", "evaluate"]
+    update = json.loads((tmp_path / "sft" / "stages" / "update" / "evidence.json").read_text())
+    gates = {g["name"]: g for g in update["gates"]}
+    assert gates["sft:mask-equals-targets"]["passed"] and gates["update:weights-changed"]["passed"]
+    assert update["metrics"]["trained_tokens"] > 0
