@@ -24,6 +24,7 @@ from qualification.gates import (
     service_gates,
     update_gates,
 )
+from qualification.tasks import exact_overlap, get_family, ngram_overlap, split_hash
 from runner_contracts import (
     PARTIAL_SUFFIX,
     Artifact,
@@ -168,7 +169,34 @@ def stage_service(arm: Arm) -> StageOutput:
     out = arm.stage_dir("service")
     run_adapter(arm, "service", out)
     cases = read_jsonl(out / "service.jsonl", ServiceCase)
-    return StageOutput(metrics={"cases": len(cases)}, gates=service_gates(cases))
+    splits, split_gates = split_evidence(arm.plan)
+    return StageOutput(metrics={"cases": len(cases), "splits": splits}, gates=service_gates(cases) + split_gates)
+
+
+def split_evidence(plan: Plan) -> tuple[dict[str, Any], list[GateResult]]:
+    """Content hashes of the frozen splits, and the train/held-out overlap check."""
+    items, splits = {}, {}
+    for label in ("train", "heldout", "retention"):
+        spec = getattr(plan.task, label)
+        family = get_family(spec.family or plan.task.family)
+        items[label] = family.generate(spec.split, spec.n, spec.seed)
+        splits[label] = {"family": family.name, "split": spec.split, "n": spec.n, "seed": spec.seed,
+                         "sha256": split_hash(items[label]), "synthetic": family.synthetic,
+                         "scorer_version": family.scorer_version}
+    exact = exact_overlap(items["train"], items["heldout"])
+    ngram = ngram_overlap(items["train"], items["heldout"])
+    splits["overlap"] = {"exact_questions": exact, "heldout_share_with_8gram_in_train": round(ngram, 4)}
+    scorer = get_family(plan.task.family)
+    return splits, [
+        GateResult(name="tasks:heldout-disjoint", passed=exact == 0, measured=exact, threshold=0,
+                   detail=f"held-out questions that appear verbatim in train; {ngram:.0%} share a word "
+                          "8-gram with train (templated tasks share phrasing by design)"),
+        GateResult(name="tasks:scorer-pinned",
+                   passed=(plan.reward.scorer, plan.reward.version) == (scorer.name, scorer.scorer_version),
+                   measured=f"{scorer.name} v{scorer.scorer_version}",
+                   threshold=f"{plan.reward.scorer} v{plan.reward.version}",
+                   detail="the plan's reward scorer and version are the task family's reference scorer"),
+    ]
 
 
 def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] | None) -> tuple[list[GateResult], dict]:
