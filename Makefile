@@ -9,21 +9,23 @@ STAMP   = $(VENV)/.installed
 
 # Host environment: the runner CLI, contracts, tasks/gates, test tools (no torch, no upstream stacks).
 $(STAMP): pyproject.toml contracts/pyproject.toml qualification/pyproject.toml
-	@command -v $(PYTHON) >/dev/null || $(MAKE) system-deps
+	$(MAKE) system-deps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e contracts -e qualification -e '.[test]'
 	touch $(STAMP)
 
-# Debian packages the suite needs (Python 3.11 with venv). Only runs apt when something is missing.
+# Debian packages: Python 3.11 with venv (host and stacks), Chromium (the HTML report test).
+# Only runs apt when something is missing.
 system-deps:
-	@if ! command -v $(PYTHON) >/dev/null || ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11 python3.11-venv; fi
+	@if ! command -v $(PYTHON) >/dev/null || ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null \
+	    || ! command -v chromium >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3.11 python3.11-venv chromium; fi
 
 demo: $(STAMP)
 	$(BIN)/runner stacks list
 	$(BIN)/runner qualify --stack trl --plan $(PLAN)
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra
 
 test-fast: $(STAMP)

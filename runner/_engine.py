@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -180,9 +181,15 @@ class LocalEngine:
             marker_path = path / LOCAL_MARKER
             if not marker_path.is_file() or json.loads(marker_path.read_text()).get("sha256") != source_hash:
                 self.log(f"installing contracts, tasks and the {manifest.name} adapter into {path.name}")
-                _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-                             "--force-reinstall", "--disable-pip-version-check", "--no-cache-dir",
-                             *map(str, sources)], log, "installing local packages")
+                # Build from clean copies: setuptools leaves build/ in the source tree, and a stale
+                # build/lib would ship modules that no longer exist.
+                with tempfile.TemporaryDirectory(prefix="runner-src-") as scratch:
+                    copies = [shutil.copytree(src, Path(scratch) / src.name,
+                                              ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+                              for src in sources]
+                    _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps",
+                                 "--no-build-isolation", "--force-reinstall", "--disable-pip-version-check",
+                                 "--no-cache-dir", *map(str, copies)], log, "installing local packages")
                 marker_path.write_text(json.dumps({"sha256": source_hash}))
         return StackEnvironment(manifest=manifest, path=path, python_version=python_version,
                                 lock_sha256=manifest.lock_sha256)

@@ -26,6 +26,7 @@ button{font:inherit;padding:.2rem .6rem;margin:.2rem 0}
 """
 
 SCRIPT = """
+document.body.dataset.ready = 'yes';
 document.getElementById('toggle-passed').addEventListener('click', function () {
   var rows = document.querySelectorAll('tr.gate-passed');
   var hide = this.dataset.hidden !== 'yes';
@@ -166,10 +167,6 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]]) -
                 f'<code>{_e((plan.policy.sha256 or "")[:16])}</code> · recipe {_e(plan.recipe)} · '
                 f'<span class="badge {"pass" if passed_all else "fail"}">'
                 f'{"every gate passed" if passed_all else "not qualified"}</span></p>']
-    sections.append("<h2>Gate matrix</h2>" + gate_matrix([(arm, evidence) for arm, evidence, _ in arms]))
-    sections.append("<h2>Mean reward per training step</h2>" + line_chart(
-        {arm: {int(k): float(v) for k, v in (data.get("reward_per_step") or {}).items()} for arm, _, data in arms},
-        y_label="mean reward"))
     bars, verdicts = [], []
     for arm, _, data in arms:
         for split, row in (data.get("evaluation") or {}).items():
@@ -185,6 +182,9 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]]) -
                         f"<th>test</th><th>p</th><th>verdict</th></tr>{''.join(verdicts)}</table>"
                         '<p class="note">Small evaluation sets rarely separate base and trained: "inconclusive" '
                         "means the data cannot tell them apart at this confidence, not that nothing changed.</p>")
+    sections.append("<h2>Mean reward per training step</h2>" + line_chart(
+        {arm: {int(k): float(v) for k, v in (data.get("reward_per_step") or {}).items()} for arm, _, data in arms},
+        y_label="mean reward"))
     fidelity = []
     for arm, evidence, data in arms:
         for record in evidence:
@@ -198,6 +198,7 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]]) -
         sections.append("<h2>Trace fidelity</h2><table><tr><th>arm</th><th>stage</th><th>episodes</th>"
                         "<th>trained tokens</th><th>max logprob gap</th><th>groups with reward variance</th></tr>"
                         + "".join(fidelity) + "</table>")
+    sections.append("<h2>Gate matrix</h2>" + gate_matrix([(arm, evidence) for arm, evidence, _ in arms]))
     timing = "".join(f"<tr><td>{_e(arm)}</td><td>{_e(record.stage)}</td><td class='num'>{_duration(record):.1f} s</td></tr>"
                      for arm, evidence, _ in arms for record in evidence)
     first = "".join(f"<tr><td>{_e(arm)}</td><td colspan='2'>time to first reproducible update: "

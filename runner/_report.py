@@ -13,6 +13,7 @@ from rich.table import Table
 from runner_contracts import Evidence, Plan, read_record, write_atomic
 
 from ._errors import UserError
+from ._html import render as render_html
 from ._qualify import STAGES
 
 STATUS_STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "dim"}
@@ -118,8 +119,10 @@ def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
 
 
 def write_report(run_dir: Path) -> dict[str, Any]:
+    """report.md, report.html (self-contained) and summary.json from the run's plan and evidence."""
     plan, evidence = load_run(run_dir)
     data = summary(plan, evidence)
     write_atomic(run_dir / "report.md", markdown(plan, evidence, data).encode())
+    write_atomic(run_dir / "report.html", render_html(plan, [(data["stack"] or "arm", evidence, data)]).encode())
     write_atomic(run_dir / "summary.json", json.dumps(data, indent=2, sort_keys=True).encode() + b"\n")
     return data

@@ -28,7 +28,7 @@ def _calc_case(final: str, calls: list[tuple[str, str]]):
     item = family.generate("heldout", 1, 5)[0]
     transcript = Transcript(final_text=final.format(**item.reference),
                             tool_calls=[ToolCall("rechner", {"ausdruck": e.format(**item.reference)},
-                                                 family.call_tool(item, "rechner", {"ausdruck": e.format(**item.reference)}))
+                                                 family.call_tool(item, {}, "rechner", {"ausdruck": e.format(**item.reference)}))
                                         for _, e in calls])
     return family.score(item, transcript)
 
@@ -47,9 +47,9 @@ def test_calc_tool_scorer_known_answers():
 def test_calculator_tool_rejects_other_input():
     family = get_family("calc-tool")
     item = family.generate("train", 1, 0)[0]
-    assert family.call_tool(item, "rechner", {"ausdruck": "12 * 3"}) == "36"
-    assert family.call_tool(item, "rechner", {"ausdruck": "__import__('os')"}).startswith("Fehler")
-    assert family.call_tool(item, "shell", {}).startswith("Fehler")
+    assert family.call_tool(item, {}, "rechner", {"ausdruck": "12 * 3"}) == "36"
+    assert family.call_tool(item, {}, "rechner", {"ausdruck": "__import__('os')"}).startswith("Fehler")
+    assert family.call_tool(item, {}, "shell", {}).startswith("Fehler")
 
 
 def test_scripted_cases_match_the_reference_scorer():
@@ -58,3 +58,81 @@ def test_scripted_cases_match_the_reference_scorer():
         item = family.generate("train", 1, 3)[0]
         cases = family.scripted_cases(item)
         assert any(c["expected_success"] for c in cases) and not all(c["expected_success"] for c in cases)
+
+
+def _score_case(family, item, case):
+    """Runs a scripted case through the family's own tools (replayed) and scorer."""
+    calls = []
+    state = family.initial_state(item)
+    final = ""
+    for turn in case["turns"]:
+        if "tool_call" in turn:
+            call = turn["tool_call"]
+            calls.append(ToolCall(call["name"], call["arguments"],
+                                  family.call_tool(item, state, call["name"], call["arguments"])))
+        elif "text" in turn:
+            final = turn["text"]
+    return family.score(item, Transcript(final_text=final, tool_calls=calls))
+
+
+def test_every_family_scores_its_scripted_cases_as_labelled():
+    from qualification.tasks import FAMILIES
+
+    for family in FAMILIES.values():
+        for item in family.generate("train", 6, 11):
+            for case in family.scripted_cases(item):
+                score = _score_case(family, item, case)
+                assert score.success == case["expected_success"], (family.name, case["case"], score)
+                assert 0.0 <= score.reward <= 1.0
+
+
+def test_rag_known_answers():
+    from qualification.tasks.german_rag import GermanRagCited
+
+    family = GermanRagCited()
+    items = family.generate("train", 40, 2)
+    single = next(i for i in items if i.reference["kind"] == "single")
+    abstain = next(i for i in items if i.reference["kind"] == "abstain")
+    pid, answer = single.reference["passages"][0], single.reference["answer"]
+
+    def score(item, text):
+        return family.score(item, Transcript(final_text=text))
+
+    right = score(single, f"Antwort: {answer} [{pid}]")
+    assert right.success and right.reward == 1.0
+    wrong_citation = score(single, f"Antwort: {answer} [D31-P1]")
+    assert not wrong_citation.success and wrong_citation.components["correct"] == 1.0
+    assert wrong_citation.components["citation_precision"] == 0.0 and 0 < wrong_citation.reward < right.reward
+    wrong = score(single, f"Antwort: 1 Euro [{pid}]")
+    assert not wrong.success and wrong.components["unsupported_claims"] == 1.0
+    assert score(abstain, "Antwort: Keine Angabe in den Dokumenten.").success
+    assert not score(abstain, "Antwort: 24 Monate [D00-P2]").success
+    assert not score(single, "Antwort: Keine Angabe in den Dokumenten.").success
+    assert score(single, answer).components["well_formed"] == 0.0
+
+
+def test_business_comm_is_scored_on_the_final_state():
+    from qualification.tasks.business_comm import BusinessComm
+
+    family = BusinessComm()
+    item = family.generate("train", 1, 4)[0]
+    cases = {c["case"]: c for c in family.scripted_cases(item)}
+    right = _score_case(family, item, cases["correct"])
+    informal = _score_case(family, item, cases["informal-address"])
+    assert right.success and right.reward == 1.0
+    assert not informal.success and informal.components["booking"] == 1.0 and informal.components["formal_address"] == 0.0
+    double = _score_case(family, item, cases["double-booking"])
+    assert double.components["no_double_booking"] == 0.0
+    leak = _score_case(family, item, cases["discloses-other-customer"])
+    assert leak.components["no_disclosure"] == 0.0 and leak.components["recipient"] == 1.0
+
+
+def test_new_families_keep_heldout_disjoint_and_are_labelled_synthetic():
+    from qualification.tasks import FAMILIES
+
+    assert all(family.synthetic for family in FAMILIES.values())
+    # Families with a held-out split partition their question space; german-arith is a retention probe over
+    # ~130 problems and business-comm varies the world (customers, calendar) rather than the question.
+    for name in ("calc-tool", "german-rag-cited"):
+        family = FAMILIES[name]
+        assert exact_overlap(family.generate("train", 60, 1), family.generate("heldout", 30, 1)) == 0

@@ -6,7 +6,7 @@ import signal
 
 import typer
 
-from . import policy, qualify, report, stacks, validate
+from . import policy, qualify, report, stacks, tasks, validate
 
 app = typer.Typer(
     name="runner",
@@ -19,6 +19,7 @@ app = typer.Typer(
 )
 app.add_typer(stacks.app, name="stacks")
 app.add_typer(policy.app, name="policy")
+app.add_typer(tasks.app, name="tasks")
 app.command("qualify")(qualify.qualify)
 app.command("validate")(validate.validate)
 app.command("report")(report.report)

@@ -90,5 +90,6 @@ def qualify(
             console.print(f"{stage}: base {split['base']} -> trained {split['trained']}: [bold]{split['verdict']}[/] "
                           f"({split['test']}, p={split['p_value']:.3g})", highlight=False)
         verdict = "[green]qualified: every gate passed[/]" if data["passed"] else "[red]not qualified[/]"
-        console.print(f"{verdict}\nrun directory: {target}\nreport: {target / 'report.md'}", highlight=False)
+        console.print(f"{verdict}\nrun directory: {target}\nreport: {target / 'report.md'} and {target / 'report.html'}",
+                      highlight=False)
     raise typer.Exit(0 if data["passed"] else 1)

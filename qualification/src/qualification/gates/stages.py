@@ -9,7 +9,7 @@ from pathlib import Path
 from runner_contracts import EvalRecord, GateResult, ServiceCase, Trajectory, TrainingRow, sha256_file
 
 from ..stats import compare_paired, non_inferior, rate_text
-from ..tasks import TaskItem, ToolCall, Transcript, get_family
+from ..tasks import TaskItem, ToolCall, Transcript, get_family, replay
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -41,8 +41,9 @@ def service_gates(cases: list[ServiceCase]) -> list[GateResult]:
         family = get_family(item.family)
         calls = [ToolCall(name=c["name"], arguments=c.get("arguments", {}), result=str(c.get("result", "")))
                  for c in case.tool_calls]
-        for call in calls:
-            if call.result != family.call_tool(item, call.name, call.arguments):
+        _, reference_results = replay(family, item, calls)
+        for call, expected in zip(calls, reference_results, strict=True):
+            if call.result != expected:
                 wrong_tools.append(f"{case.task_id}/{case.case}: {call.name}({call.arguments}) -> {call.result!r}")
         reference = family.score(item, Transcript(final_text=case.final_text, tool_calls=calls))
         if not math.isclose(reference.reward, case.stack_reward, abs_tol=1e-9):

@@ -76,13 +76,24 @@ class TaskFamily(Protocol):
 
     def generate(self, split: str, n: int, seed: int) -> list[TaskItem]: ...
 
-    def call_tool(self, item: TaskItem, name: str, arguments: dict[str, Any]) -> str: ...
+    def initial_state(self, item: TaskItem) -> dict[str, Any]:
+        """The episode's mutable world (CRM, calendar, ...); tools read and change it."""
+        ...
+
+    def call_tool(self, item: TaskItem, state: dict[str, Any], name: str, arguments: dict[str, Any]) -> str: ...
 
     def score(self, item: TaskItem, transcript: Transcript) -> Score: ...
 
     def demonstration(self, item: TaskItem) -> list[dict[str, Any]]: ...
 
     def scripted_cases(self, item: TaskItem) -> list[dict[str, Any]]: ...
+
+
+def replay(family: TaskFamily, item: TaskItem, calls: list[ToolCall]) -> tuple[dict[str, Any], list[str]]:
+    """Re-executes recorded tool calls on a fresh state: the final state and the reference results.
+    Scorers judge final states this way, so a transcript alone determines the score."""
+    state = family.initial_state(item)
+    return state, [family.call_tool(item, state, call.name, call.arguments) for call in calls]
 
 
 def split_rng(family: str, split: str, seed: int) -> random.Random:

@@ -81,7 +81,10 @@ class CalcTool:
             )
         return items
 
-    def call_tool(self, item: TaskItem, name: str, arguments: dict[str, Any]) -> str:
+    def initial_state(self, item: TaskItem) -> dict[str, Any]:
+        return {}
+
+    def call_tool(self, item: TaskItem, state: dict[str, Any], name: str, arguments: dict[str, Any]) -> str:
         if name != "rechner":
             return f"Fehler: unbekanntes Werkzeug {name!r}"
         try:

@@ -42,7 +42,10 @@ class GermanArith:
             )
         return items
 
-    def call_tool(self, item: TaskItem, name: str, arguments: dict[str, Any]) -> str:
+    def initial_state(self, item: TaskItem) -> dict[str, Any]:
+        return {}
+
+    def call_tool(self, item: TaskItem, state: dict[str, Any], name: str, arguments: dict[str, Any]) -> str:
         return f"Fehler: diese Aufgabe hat kein Werkzeug {name!r}"
 
     def score(self, item: TaskItem, transcript: Transcript) -> Score:

@@ -22,16 +22,18 @@ class TaskEnvironment:
 
     def __init__(self) -> None:
         self.item: TaskItem | None = None
+        self.state: dict[str, Any] = {}
         self.tool_calls: list[ToolCall] = []
 
     def reset(self, **row: Any) -> None:
         self.item = TaskItem.from_json(row["item"])
+        self.state = self.family.initial_state(self.item)
         self.tool_calls = []
         return None
 
     def _call(self, name: str, arguments: dict[str, Any]) -> str:
         assert self.item is not None, "reset() must run before a tool call"
-        result = self.family.call_tool(self.item, name, arguments)
+        result = self.family.call_tool(self.item, self.state, name, arguments)
         self.tool_calls.append(ToolCall(name=name, arguments=dict(arguments), result=result))
         return result
 
