@@ -42,3 +42,24 @@ def test_non_inferiority_margin():
 
 def test_rate_text_shows_counts_and_interval():
     assert rate_text(5, 32).startswith("5/32 (16%, 95% CI 7%-")
+
+
+def test_seed_aggregation_pools_counts_and_shows_spread():
+    from qualification.stats import aggregate_seeds
+
+    agg = aggregate_seeds([(10, 20), (14, 20), (6, 20)])
+    assert (agg.k, agg.n, agg.seeds) == (30, 60, 3)
+    assert agg.spread == (0.3, 0.7)
+    assert agg.interval == wilson(30, 60)
+
+
+def test_paired_aggregation_over_repeats():
+    from qualification.stats import aggregate_paired
+
+    # Each repeat alone is inconclusive; three independent repeats agreeing are not.
+    repeat = compare_paired([False] * 4 + [True] * 10, [True] * 4 + [True] * 10)
+    assert repeat.verdict == "inconclusive"
+    pooled = aggregate_paired([repeat, repeat, repeat])
+    assert (pooled.n, pooled.improved_pairs, pooled.worsened_pairs) == (42, 12, 0)
+    assert pooled.base_k == 30 and pooled.trained_k == 42
+    assert pooled.verdict == "improved" and "3 repeats pooled" in pooled.test

@@ -116,3 +116,41 @@ def _bisect(f, low: float = 0.0, high: float = 1.0, iterations: int = 100) -> fl
         else:
             high = mid
     return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class SeedAggregate:
+    """Success over repeated seeds: pooled k/n with a Wilson interval, and the per-seed spread."""
+
+    seeds: int
+    k: int
+    n: int
+    interval: tuple[float, float]
+    per_seed: tuple[tuple[int, int], ...]
+    spread: tuple[float, float]  # lowest and highest per-seed rate
+
+
+def aggregate_seeds(results: list[tuple[int, int]], confidence: float = 0.95) -> SeedAggregate:
+    """Pools (k, n) from independent repeats (different seeds); the spread shows seed-to-seed variation
+    that a pooled interval alone would hide."""
+    if not results:
+        raise ValueError("no results to aggregate")
+    k, n = sum(r[0] for r in results), sum(r[1] for r in results)
+    rates = [rk / rn for rk, rn in results if rn]
+    return SeedAggregate(seeds=len(results), k=k, n=n, interval=wilson(k, n, confidence),
+                         per_seed=tuple(results), spread=(min(rates, default=0.0), max(rates, default=0.0)))
+
+
+def aggregate_paired(comparisons: list[PairedComparison], confidence: float = 0.95) -> PairedComparison:
+    """One verdict over repeats: the exact McNemar test on the discordant pairs of all repeats together
+    (valid when repeats are independent: different training seeds or different items)."""
+    if not comparisons:
+        raise ValueError("no comparisons to aggregate")
+    b = sum(c.improved_pairs for c in comparisons)
+    c_ = sum(c.worsened_pairs for c in comparisons)
+    n = sum(c.n for c in comparisons)
+    base = [False] * b + [True] * c_ + [True] * sum(c.base_k - c.worsened_pairs for c in comparisons)
+    trained = [True] * b + [False] * c_ + [True] * sum(c.base_k - c.worsened_pairs for c in comparisons)
+    rest = n - len(base)
+    result = compare_paired(base + [False] * rest, trained + [False] * rest, confidence)
+    return PairedComparison(**{**result.__dict__, "test": f"exact McNemar (two-sided), {len(comparisons)} repeats pooled"})
