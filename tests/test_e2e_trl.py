@@ -129,3 +129,17 @@ def test_sft_recipe_passes_every_gate(tmp_path):
     gates = {g["name"]: g for g in update["gates"]}
     assert gates["sft:mask-equals-targets"]["passed"] and gates["update:weights-changed"]["passed"]
     assert update["metrics"]["trained_tokens"] > 0
+
+
+@pytest.mark.parametrize("plan_name", ["german-rag-cited-cpu", "business-comm-cpu"])
+def test_trl_qualifies_on_the_programme_tracks(plan_name, tmp_path):
+    """The synthetic RAG and business-communication tracks: every gate passes with a tiny policy that only
+    learned the format; held-out results are small and must be reported as inconclusive, not improved."""
+    plan = ROOT / "qualification" / "plans" / f"{plan_name}.yaml"
+    run_dir = tmp_path / plan_name
+    result = runner("qualify", "--stack", "trl", "--plan", str(plan), "--run-dir", str(run_dir), "--json")
+    summary = json.loads(result.stdout)
+    assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}"
+    assert summary["evaluation"]["heldout"]["verdict"] == "inconclusive"
+    page = (run_dir / "report.html").read_text()
+    assert "inconclusive" in page and "Held-out and retention success" in page
