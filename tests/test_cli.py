@@ -1,0 +1,48 @@
+"""The small CLI commands: JSON output for scripts, one-line errors for bad input."""
+
+import json
+
+from typer.testing import CliRunner
+
+from runner.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, list(args), env={"COLUMNS": "300"})
+
+
+def test_stacks_list_json_reads_the_manifests():
+    result = invoke("stacks", "list", "--json")
+    assert result.exit_code == 0
+    stacks = {row["name"]: row for row in json.loads(result.output)}
+    assert stacks["trl"]["upstream"] == "trl==1.16.0" and stacks["trl"]["python"] == "3.11"
+    assert len(stacks["trl"]["lock_sha256"]) == 64
+
+
+def test_tasks_list_json_has_hashed_frozen_splits():
+    result = invoke("tasks", "list", "--json")
+    assert result.exit_code == 0
+    families = {row["family"]: row for row in json.loads(result.output)}
+    assert set(families) == {"calc-tool", "german-arith", "german-rag-cited", "business-comm"}
+    assert all(row["synthetic"] for row in families.values())
+    assert len(families["german-rag-cited"]["splits"]["heldout"]["sha256"]) == 64
+    again = {row["family"]: row for row in json.loads(invoke("tasks", "list", "--json").output)}
+    assert again == families, "splits are frozen: same hashes every time"
+
+
+def test_tasks_show_prints_items_and_demonstrations():
+    result = invoke("tasks", "show", "german-rag-cited", "--split", "heldout", "-n", "2", "--json")
+    items = json.loads(result.output)
+    assert result.exit_code == 0 and len(items) == 2
+    assert items[0]["demonstration"][-1]["content"].startswith("Antwort:")
+
+
+def test_unknown_family_and_stack_are_one_line_errors(tmp_path):
+    result = invoke("tasks", "show", "nope")
+    assert result.exit_code == 2 and "unknown task family 'nope'" in result.output
+    plan = tmp_path / "p.yaml"
+    plan.write_text("name: x\n")
+    result = invoke("qualify", "--stack", "nope", "--plan", str(plan))
+    assert result.exit_code == 2 and "unknown stack 'nope'; known stacks: trl" in result.output
