@@ -101,6 +101,11 @@ def split_rng(family: str, split: str, seed: int) -> random.Random:
     return random.Random(f"{family}/{split}/{seed}")
 
 
+def hash_bucket(text: str, buckets: int = 5) -> int:
+    """A stable bucket for a text; families put bucket 0 in held-out so splits never share an item."""
+    return int(hashlib.sha256(text.encode()).hexdigest(), 16) % buckets
+
+
 def split_hash(items: list[TaskItem]) -> str:
     """Content hash of a frozen split: sha256 over the items' canonical JSON lines."""
     digest = hashlib.sha256()

@@ -9,7 +9,7 @@ import copy
 import re
 from typing import Any
 
-from .base import Score, TaskItem, ToolParam, ToolSpec, Transcript, replay, split_rng
+from .base import Score, TaskItem, ToolParam, ToolSpec, Transcript, hash_bucket, replay, split_rng
 
 DAYS = ["Montag", "Dienstag", "Mittwoch", "Donnerstag", "Freitag"]
 SLOTS = ["09:00", "10:00", "11:00", "14:00", "15:00"]
@@ -48,8 +48,10 @@ class BusinessComm:
 
     def generate(self, split: str, n: int, seed: int) -> list[TaskItem]:
         rng = split_rng(self.name, split, seed)
-        items = []
-        for index in range(n):
+        items: list[TaskItem] = []
+        seen: set[str] = set()
+        while len(items) < n:
+            index = len(items)
             people = rng.sample(_PEOPLE, 4)
             customers = []
             for number, (anrede, vorname, nachname) in enumerate(people, start=1):
@@ -66,6 +68,10 @@ class BusinessComm:
             customer = customers[target]
             question = (f"Bitte buchen Sie für {customer['anrede']} {customer['nachname']} ({customer['firma']}) einen "
                         f"Termin am {day} und bestätigen Sie ihn per E-Mail.")
+            # Held-out requests come from a disjoint slice of the (person, firm, day) space.
+            if question in seen or (hash_bucket(question) == 0) != (split == "heldout"):
+                continue
+            seen.add(question)
             items.append(TaskItem(
                 family=self.name, split=split, task_id=f"{self.name}/{split}/{seed}/{index}", question=question,
                 reference={"customers": customers, "bookings": bookings, "target": customer["id"], "day": day}))

@@ -7,12 +7,11 @@ penalty for numbers in the answer that no cited passage supports.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from typing import Any
 
-from .base import Score, TaskItem, ToolParam, ToolSpec, Transcript, split_rng
+from .base import Score, TaskItem, ToolParam, ToolSpec, Transcript, hash_bucket, split_rng
 
 ABSTAIN = "keine angabe in den dokumenten"
 _ANSWER = re.compile(r"^Antwort:\s*(?P<text>.*?)\s*$")
@@ -214,6 +213,3 @@ class GermanRagCited:
             {"case": "malformed", "expected_success": False, "turns": [{"text": reference["answer"]}]},
         ]
 
-
-def hash_bucket(text: str, buckets: int = 5) -> int:
-    return int(hashlib.sha256(text.encode()).hexdigest(), 16) % buckets
