@@ -68,5 +68,6 @@ def environment_class(family_name: str) -> type[TaskEnvironment]:
 
 
 def tool_methods(env: TaskEnvironment) -> list:
-    """The bound tool methods, as TRL passes them to apply_chat_template."""
-    return [getattr(env, spec.name) for spec in env.family.tools]
+    """The bound tool methods in the order GRPOTrainer renders them (inspect.getmembers: by name), so
+    prompts rendered here (SFT demonstrations, service cases) are the prompts the trainer samples from."""
+    return [getattr(env, name) for name in sorted(spec.name for spec in env.family.tools)]
