@@ -136,3 +136,15 @@ def test_new_families_keep_heldout_disjoint_and_are_labelled_synthetic():
     for name in ("calc-tool", "german-rag-cited", "business-comm"):
         family = FAMILIES[name]
         assert exact_overlap(family.generate("train", 60, 1), family.generate("heldout", 30, 1)) == 0
+
+
+def test_rag_three_passage_questions_need_every_citation():
+    from qualification.tasks.german_rag import GermanRagCited
+
+    family = GermanRagCited()
+    item = next(i for i in family.generate("train", 200, 1) if len(i.reference["passages"]) == 3)
+    cites = [f"[{p}]" for p in item.reference["passages"]]
+    full = family.score(item, Transcript(final_text=f"Antwort: {item.reference['answer']} {' '.join(cites)}"))
+    partial = family.score(item, Transcript(final_text=f"Antwort: {item.reference['answer']} {' '.join(cites[:2])}"))
+    assert full.success and not partial.success
+    assert abs(partial.components["citation_recall"] - 2 / 3) < 1e-9 and partial.components["citation_precision"] == 1.0

@@ -130,12 +130,13 @@ class GermanRagCited:
                 reference = {"kind": kind, "answer": value, "passages": [pid],
                              "queries": [_QUESTIONS[attribute][1].format(e=entity)]}
             elif kind == "sum":
-                a, b = rng.sample(_PRODUCTS, 2)
-                (pa, ia), (pb, ib) = _COLLECTION["facts"][(a, "preis")], _COLLECTION["facts"][(b, "preis")]
-                total = int(pa.split()[0]) + int(pb.split()[0])
-                question = f"Wie viel kosten die Modelle {a} und {b} zusammen?"
-                reference = {"kind": kind, "answer": f"{total} Euro", "passages": [ia, ib],
-                             "queries": [f"Preis {a}", f"Preis {b}"]}
+                models = rng.sample(_PRODUCTS, rng.choice([2, 2, 3]))  # two or three passages
+                found = [_COLLECTION["facts"][(m, "preis")] for m in models]
+                total = sum(int(price.split()[0]) for price, _ in found)
+                names = " und ".join([", ".join(models[:-1]), models[-1]])
+                question = f"Wie viel kosten die Modelle {names} zusammen?"
+                reference = {"kind": kind, "answer": f"{total} Euro", "passages": [pid for _, pid in found],
+                             "queries": [f"Preis {m}" for m in models]}
             else:
                 missing = f"{rng.choice(['Zenit', 'Quarz', 'Vektor', 'Wolke'])}-{rng.randint(100, 999)}"
                 question = f"Wie lange gilt die Garantie für das Modell {missing}?"
