@@ -214,16 +214,9 @@ def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] 
         "episodes_with_tool_calls": audit.counts["episodes_with_tool_calls"],
         "groups_with_variance": sum(1 for r in audit.group_rewards.values() if len(set(r)) > 1),
         "groups": len(audit.group_rewards),
-        "reward_per_step": _reward_per_step(out / "trajectories.jsonl"),
+        "reward_per_step": audit.reward_per_step(),
     }
     return gates, metrics
-
-
-def _reward_per_step(path: Path) -> dict[int, float]:
-    sums: dict[int, list[float]] = {}
-    for _, t in iter_jsonl(path, Trajectory):
-        sums.setdefault(t.step, []).append(t.reward)
-    return {step: sum(values) / len(values) for step, values in sorted(sums.items())}
 
 
 def stage_rollout(arm: Arm) -> StageOutput:
@@ -287,16 +280,18 @@ def stage_resume(arm: Arm) -> StageOutput:
                     for name, folder in (("plain", plain), ("interrupted", interrupted), ("resumed", resumed))}
     rows = {name: _read_any(folder, "training.jsonl", TrainingRow)
             for name, folder in (("plain", plain), ("interrupted", interrupted), ("resumed", resumed))}
-    final_plain = checkpoint_revisions(plain / "checkpoints")[0].get(steps)
+    plain_revisions = checkpoint_revisions(plain / "checkpoints")[0]
+    final_plain = plain_revisions.get(steps)
     final_resumed = checkpoint_revisions(resumed / "checkpoints")[0].get(steps)
     gates = resume_gates(trajectories["plain"], trajectories["interrupted"], trajectories["resumed"],
                          rows["plain"], rows["interrupted"], rows["resumed"],
                          resumed_from, final_plain, final_resumed, incomplete)
     if not sft:
-        trace_gates, _ = audit_trace(arm, plain, signal=False, revisions=checkpoint_revisions(plain / "checkpoints")[0])
+        trace_gates, _ = audit_trace(arm, plain, signal=False, revisions=plain_revisions)
         gates += [g for g in trace_gates if g.name == "trace:trained-equals-sampled"]
     return StageOutput(metrics={"steps": steps, "killed_after_step": kill_step, "resumed_from": checkpoint.name,
                                 "interrupted_records": len(trajectories["interrupted"]) + len(rows["interrupted"]),
+                                "ignored_incomplete_checkpoints": incomplete,
                                 "kill_to_exit_s": round(outcome.seconds, 3)}, gates=gates)
 
 

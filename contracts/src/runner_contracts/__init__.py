@@ -17,6 +17,7 @@ from .io import (
     write_record,
 )
 from .records import (
+    COMPLETE_MARKER,
     RECORD_TYPES,
     SUPPORTED_VERSION,
     Artifact,
@@ -47,7 +48,7 @@ from .records import (
 )
 
 __all__ = [
-    "PARTIAL_SUFFIX", "RECORD_TYPES", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "Checkpoint", "Demonstration",
+    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "Checkpoint", "Demonstration",
     "EnvironmentInfo", "ErrorInfo", "EvalRecord", "Evidence", "GateResult", "GateSpec", "Hardware",
     "JsonlWriter", "Plan", "PolicySpec", "Record", "RecordError", "RewardSpec", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageRequest", "StageResult", "TaskSpec", "TrainingRow",

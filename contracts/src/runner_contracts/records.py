@@ -13,6 +13,7 @@ Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 SegmentSource = Literal["prompt", "policy", "tool", "env"]
 Outcome = Literal["success", "failure", "truncated", "error"]
 Status = Literal["passed", "failed", "error", "skipped"]
+COMPLETE_MARKER = "COMPLETE"  # written last, atomically, into every complete checkpoint folder
 StageName = Literal["probe", "service", "rollout", "update", "resume", "train", "evaluate"]
 
 

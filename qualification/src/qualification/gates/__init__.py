@@ -1,7 +1,6 @@
 """Gates: host-side audits over the files a stage wrote. Each returns GateResult records."""
 
 from .stages import (
-    COMPLETE_MARKER,
     checkpoint_revisions,
     evaluate_gates,
     latest_complete_checkpoint,
@@ -14,6 +13,6 @@ from .sft import sft_gates
 from .trace import TraceAudit
 
 __all__ = [
-    "COMPLETE_MARKER", "TraceAudit", "checkpoint_revisions", "evaluate_gates", "latest_complete_checkpoint",
+    "TraceAudit", "checkpoint_revisions", "evaluate_gates", "latest_complete_checkpoint",
     "lock_gate", "resume_gates", "service_gates", "sft_gates", "update_gates",
 ]

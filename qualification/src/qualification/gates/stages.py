@@ -6,13 +6,10 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from runner_contracts import EvalRecord, GateResult, ServiceCase, Trajectory, TrainingRow, sha256_file
+from runner_contracts import COMPLETE_MARKER, EvalRecord, GateResult, ServiceCase, Trajectory, TrainingRow, sha256_file
 
 from ..stats import compare_paired, non_inferior, rate_text
 from ..tasks import TaskItem, ToolCall, Transcript, get_family, replay
-
-COMPLETE_MARKER = "COMPLETE"
-
 
 def lock_gate(installed: dict[str, str], locked: dict[str, str]) -> GateResult:
     """Installed distributions must equal the lock: same names, same versions (a local label like +cpu
@@ -145,10 +142,8 @@ def resume_gates(uninterrupted: list[Trajectory], interrupted: list[Trajectory],
         GateResult(name="resume:same-final-weights", passed=final_uninterrupted is not None
                    and final_uninterrupted == final_resumed,
                    measured=(final_resumed or "")[:12], threshold=(final_uninterrupted or "")[:12],
-                   detail="sha256 of the final model.safetensors, resumed vs uninterrupted (CPU: exact)"),
-        GateResult(name="resume:partial-checkpoints-ignored", passed=True, measured=ignored_partial, threshold=None,
-                   detail=(f"ignored incomplete {ignored_partial}" if ignored_partial else
-                           "no partial checkpoint was left by the kill")),
+                   detail="sha256 of the final model.safetensors, resumed vs uninterrupted (CPU: exact)"
+                          + (f"; resumed past incomplete {ignored_partial}" if ignored_partial else "")),
     ]
 
 

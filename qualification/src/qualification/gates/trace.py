@@ -41,6 +41,7 @@ class TraceAudit:
     counts: Counter = field(default_factory=Counter)
     group_sizes: Counter = field(default_factory=Counter)
     group_rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    step_rewards: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     trained_episodes: set[str] = field(default_factory=set)
     max_logprob_gap: float = 0.0
     advantages_nonzero: int = 0
@@ -84,6 +85,7 @@ class TraceAudit:
             self.counts["episodes_with_tool_calls"] += tool_segments > 0
             self.group_sizes[t.group_id] += 1
             self.group_rewards[t.group_id].append(t.reward)
+            self.step_rewards[t.step].append(t.reward)
             self.episodes[t.episode_id] = _Episode(t.step, array("q", tokens), array("q", policy_tokens),
                                                    array("d", policy_logprobs), bytes(is_policy), t.policy_revision)
 
@@ -167,6 +169,9 @@ class TraceAudit:
                        threshold=self.tolerance,
                        detail=f"max |trainer - sampling| logprob over {self.counts['logprob_pairs']} tokens"),
         ]
+
+    def reward_per_step(self) -> dict[int, float]:
+        return {step: sum(r) / len(r) for step, r in sorted(self.step_rewards.items())}
 
     def degeneracy_gates(self, min_groups_with_variance: float) -> list[GateResult]:
         """Rewards, advantages and tool use must carry signal, or an update proves nothing."""

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runner_contracts import sha256_file, write_atomic
-
-COMPLETE_MARKER = "COMPLETE"
-
+from runner_contracts import COMPLETE_MARKER, sha256_file, write_atomic
 
 def completion_marker():
     """A TrainerCallback that writes checkpoint-N/COMPLETE ("N <sha256 of model.safetensors>") on save."""

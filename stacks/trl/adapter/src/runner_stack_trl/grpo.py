@@ -218,7 +218,7 @@ def _make_trainer_class():
     return CapturingGRPOTrainer
 
 
-def grpo_config(plan: Plan, output_dir: Path, *, steps: int, save_every_step: bool = True):
+def grpo_config(plan: Plan, output_dir: Path, *, steps: int):
     from trl import GRPOConfig
 
     budget, sampling = plan.budget, plan.sampling
@@ -237,7 +237,7 @@ def grpo_config(plan: Plan, output_dir: Path, *, steps: int, save_every_step: bo
         seed=sampling.seed,
         data_seed=sampling.seed,
         logging_steps=1,
-        save_strategy="steps" if save_every_step else "no",
+        save_strategy="steps",
         save_steps=1,
         log_completions=False,
         **trainer_device_args(budget.gpus),

@@ -99,6 +99,10 @@ def _render_turn(turn: dict[str, Any]) -> str:
     return turn["text"]
 
 
+def _calls(transcript) -> list[dict[str, Any]]:
+    return [{"name": c.name, "arguments": c.arguments, "result": c.result} for c in transcript.tool_calls]
+
+
 def service(request: StageRequest) -> StageResult:
     from transformers import AutoTokenizer
     from trl.chat_template_utils import add_response_schema, parse_response
@@ -142,9 +146,8 @@ def service(request: StageRequest) -> StageResult:
                     writer.write(ServiceCase(
                         task_id=item.task_id, item=item.to_json(), case=case["case"],
                         expected_success=case["expected_success"], final_text=transcript.final_text,
-                        tool_calls=[{"name": c.name, "arguments": c.arguments, "result": c.result}
-                                    for c in transcript.tool_calls],
-                        stack_reward=stack_reward, stack_components=score.components,
+                        tool_calls=_calls(transcript), stack_reward=stack_reward,
+                        stack_components=score.components,
                     ))
     return StageResult(stage="service", files={"service": "service.jsonl"})
 
@@ -279,9 +282,8 @@ def evaluate(request: StageRequest) -> StageResult:
                     writer.write(EvalRecord(
                         policy=policy_label, split=split_label, task_id=item.task_id, item=row["item"],
                         final_text=transcript.final_text,
-                        tool_calls=[{"name": c.name, "arguments": c.arguments, "result": c.result}
-                                    for c in transcript.tool_calls],
-                        stack_reward=score.reward, success=score.success, finish_reason=finish,
+                        tool_calls=_calls(transcript), stack_reward=score.reward, success=score.success,
+                        finish_reason=finish,
                     ))
     shutil.rmtree(Path(request.out_dir) / "scratch", ignore_errors=True)
     return StageResult(stage="evaluate", metrics={"counts": counts, "decoding": "greedy"},
