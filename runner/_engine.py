@@ -153,6 +153,7 @@ class LocalEngine:
 
     def environment_key(self, manifest: StackManifest, python_version: str) -> str:
         digest = hashlib.sha256(manifest.lock.read_bytes())
+        digest.update("\0".join(manifest.pip_args).encode())
         digest.update(f"\0{python_version}\0{platform.machine()}\0{sys.platform}".encode())
         return digest.hexdigest()[:16]
 
@@ -170,7 +171,7 @@ class LocalEngine:
                 log.write_text("")
                 _run_logged([str(interpreter), "-m", "venv", str(path)], log, "creating the virtualenv")
                 _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps",
-                             "--disable-pip-version-check", "-r", str(manifest.lock)], log,
+                             "--disable-pip-version-check", *manifest.pip_args, "-r", str(manifest.lock)], log,
                             f"installing the {manifest.name} lock")
                 marker = {"lock_sha256": manifest.lock_sha256, "python": python_version, "built_at": time.time()}
                 (path / ENV_MARKER).write_text(json.dumps(marker))
@@ -189,7 +190,8 @@ class LocalEngine:
                               for src in sources]
                     _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps",
                                  "--no-build-isolation", "--force-reinstall", "--disable-pip-version-check",
-                                 "--no-cache-dir", *map(str, copies)], log, "installing local packages")
+                                 "--no-cache-dir", *manifest.pip_args, *map(str, copies)], log,
+                                "installing local packages")
                 marker_path.write_text(json.dumps({"sha256": source_hash}))
         return StackEnvironment(manifest=manifest, path=path, python_version=python_version,
                                 lock_sha256=manifest.lock_sha256)
@@ -227,6 +229,58 @@ class LocalEngine:
         shutil.rmtree(out_dir / ".home", ignore_errors=True)
         return RunOutcome(exit_code=process.returncode, killed=killed, timed_out=timed_out,
                           seconds=time.monotonic() - started, stdout=stdout, stderr=stderr)
+
+
+    def start_service(self, env: StackEnvironment, request: StageRequest, *, ready_timeout_s: float = 300.0,
+                      ) -> ServiceHandle:
+        """Starts the adapter's long-running `serve` job and waits for its service.json (url, pid)."""
+        out_dir = Path(request.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ready = out_dir / "service.json"
+        ready.unlink(missing_ok=True)
+        request_path = write_record(out_dir / "request.json", request)
+        cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
+        stdout, stderr = open(out_dir / "stdout.log", "wb"), open(out_dir / "stderr.log", "wb")
+        process = subprocess.Popen(cmd, cwd=out_dir, env=scrubbed_env(env.path / "bin", out_dir / ".home"),
+                                   stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True,
+                                   preexec_fn=_die_with_parent)
+        stdout.close()
+        stderr.close()
+        handle = ServiceHandle(process=process, out_dir=out_dir, url="")
+        deadline = time.monotonic() + ready_timeout_s
+        while not ready.is_file():
+            if process.poll() is not None or time.monotonic() > deadline:
+                handle.stop()
+                why = "did not become ready in time" if process.returncode is None else f"exited {process.returncode}"
+                raise EngineError(f"{env.manifest.name} rollout service {why}: "
+                                  f"{last_error_lines(out_dir / 'stderr.log')} (logs: {out_dir / 'stderr.log'})")
+            time.sleep(0.05)
+        handle.url = json.loads(ready.read_text())["url"]
+        return handle
+
+
+@dataclass
+class ServiceHandle:
+    """A running adapter service (its own process group, started by us)."""
+
+    process: subprocess.Popen
+    out_dir: Path
+    url: str
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the group, SIGKILL after `grace_s`; returns the exit code."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.process)
+        shutil.rmtree(self.out_dir / ".home", ignore_errors=True)
+        return self.process.returncode
 
 
 def _die_with_parent() -> None:

@@ -31,6 +31,14 @@ class StackManifest:
     capabilities: tuple[str, ...] = field(default_factory=tuple)
     policy_sources: tuple[Path, ...] = ()  # files the tiny-policy builder's output depends on
     folder: Path = Path()
+    kind: str = "trainer"  # trainer: trains and hosts the environment itself; environment: a rollout service
+    trainer: str | None = None  # for environment stacks: the trainer stack that drives them
+    pip_args: tuple[str, ...] = ()  # extra arguments for installing the lock
+    deviations: tuple[str, ...] = ()  # known departures from upstream's declared requirements (recorded in evidence)
+
+    @property
+    def is_environment(self) -> bool:
+        return self.kind == "environment"
 
     @property
     def lock_sha256(self) -> str:
@@ -86,7 +94,15 @@ def load_manifest(path: Path) -> StackManifest:
         capabilities=tuple(data.get("capabilities", ())),
         policy_sources=tuple(folder / p for p in data.get("policy_sources", ())),
         folder=folder,
+        kind=data.get("kind", "trainer"),
+        trainer=data.get("trainer"),
+        pip_args=tuple(data.get("pip_args", ())),
+        deviations=tuple(data.get("deviations", ())),
     )
+    if manifest.kind not in ("trainer", "environment"):
+        raise UserError(f"{path}: field kind: expected 'trainer' or 'environment', got {manifest.kind!r}")
+    if manifest.is_environment and not manifest.trainer:
+        raise UserError(f"{path}: field trainer: an environment stack must name the trainer stack that drives it")
     if not manifest.lock.is_file():
         raise UserError(f"{path}: field lock: {manifest.lock} does not exist")
     return manifest

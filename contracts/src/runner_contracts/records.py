@@ -289,6 +289,98 @@ class EvalRecord(Record, kw_only=True):
     finish_reason: str
 
 
+# --- rollout service (environment adapters) ------------------------------------------------------
+
+
+class EpisodeSpec(Record, kw_only=True):
+    """One episode an environment adapter must run natively. `item` is the TaskItem JSON."""
+
+    contract: Literal["episode-spec"] = "episode-spec"
+    version: int = 1
+    episode_id: str
+    task_id: str
+    family: str
+    item: str
+    seed: int
+    max_turns: Annotated[int, msgspec.Meta(ge=1)]
+
+
+class FaultSpec(Record, kw_only=True):
+    """Fault injection for the recovery test: kill the environment server once this many episodes started."""
+
+    kill_environment_after_started: NonNegInt
+
+
+class RolloutRequest(Record, kw_only=True):
+    """POST /rollouts: a batch of episodes against one policy endpoint."""
+
+    contract: Literal["rollout-request"] = "rollout-request"
+    version: int = 1
+    episodes: list[EpisodeSpec]
+    policy_base_url: str  # ends in /v1
+    policy_model: str = "policy"
+    tokenizer_dir: str | None = None  # for stacks that tokenize themselves (token-in/token-out clients)
+    sampling: SamplingSpec
+    concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
+    max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 2
+    fault: FaultSpec | None = None
+
+
+class ToolCallRecord(Record, kw_only=True):
+    name: str
+    arguments: dict[str, Any]
+    result: str
+
+
+class EpisodeResult(Record, kw_only=True):
+    """What an environment adapter reports for one episode. `status` failed = given up after retries."""
+
+    contract: Literal["episode-result"] = "episode-result"
+    version: int = 1
+    episode_id: str
+    task_id: str
+    status: Literal["completed", "failed"]
+    reward: float = 0.0
+    reward_components: dict[str, float] = msgspec.field(default_factory=dict)
+    success: bool = False
+    outcome: Outcome = "error"
+    finish_reason: str = ""
+    turns: NonNegInt = 0
+    final_text: str = ""
+    tool_calls: list[ToolCallRecord] = msgspec.field(default_factory=list)
+    attempts: NonNegInt = 1
+    error: ErrorInfo | None = None
+    seconds: float = 0.0
+
+
+class RolloutResponse(Record, kw_only=True):
+    contract: Literal["rollout-response"] = "rollout-response"
+    version: int = 1
+    stack: str
+    results: list[EpisodeResult]
+    environment_restarts: NonNegInt = 0
+    faults_injected: NonNegInt = 0
+    seconds: float = 0.0
+
+
+class PolicyCall(Record, kw_only=True):
+    """One call the policy server answered (calls.jsonl): the exact ids it was given and sampled."""
+
+    contract: Literal["policy-call"] = "policy-call"
+    version: int = 1
+    call_id: str
+    episode_id: str | None  # None = unattributable (an audit failure)
+    channel: str  # how the episode id arrived: header | metadata | path | none
+    endpoint: str
+    index_in_episode: NonNegInt
+    policy_revision: str
+    prompt_ids: list[TokenId]
+    completion_ids: list[TokenId]
+    logprobs: list[LogProb]
+    finish_reason: str
+    seconds: float = 0.0
+
+
 RECORD_TYPES: dict[str, type[Record]] = {
     "plan": Plan,
     "trajectory": Trajectory,
@@ -299,5 +391,10 @@ RECORD_TYPES: dict[str, type[Record]] = {
     "stage-result": StageResult,
     "service-case": ServiceCase,
     "eval-record": EvalRecord,
+    "episode-spec": EpisodeSpec,
+    "rollout-request": RolloutRequest,
+    "episode-result": EpisodeResult,
+    "rollout-response": RolloutResponse,
+    "policy-call": PolicyCall,
 }
 SUPPORTED_VERSION = 1

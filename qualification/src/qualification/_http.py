@@ -1,0 +1,158 @@
+"""A small JSON-over-HTTP server on 127.0.0.1 (stdlib only): it runs inside every stack environment.
+
+Routes map (method, path regex) to a handler(Call) returning a Reply. A handler may return a Reply whose
+`stream` is an iterator of already-encoded server-sent-event chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Call:
+    method: str
+    path: str
+    match: re.Match
+    headers: dict[str, str]  # lower-case names
+    body: Any
+
+
+@dataclass
+class Reply:
+    status: int = 200
+    body: Any = None
+    stream: Iterator[bytes] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+Route = tuple[str, str, Callable[[Call], Reply]]
+
+
+class JsonServer:
+    """Serves `routes` on 127.0.0.1 (port 0 = a free one) in a daemon thread; `url` is the base URL."""
+
+    def __init__(self, routes: list[Route], port: int = 0):
+        compiled = [(method, re.compile(pattern + r"\Z"), handler) for method, pattern, handler in routes]
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:  # quiet: calls are logged as records where it matters
+                pass
+
+            def _dispatch(self, method: str) -> None:
+                path = self.path.split("?", 1)[0]
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    raw = self.rfile.read(length) if length else b""
+                    body = json.loads(raw) if raw else None
+                except (ValueError, json.JSONDecodeError) as error:
+                    return self._send(Reply(400, {"error": {"message": f"request body is not JSON: {error}"}}))
+                for route_method, pattern, handler in compiled:
+                    match = pattern.match(path)
+                    if match and route_method == method:
+                        headers = {k.lower(): v for k, v in self.headers.items()}
+                        try:
+                            reply = handler(Call(method, path, match, headers, body))
+                        except HttpError as error:
+                            reply = Reply(error.status, {"error": {"message": str(error)}})
+                        except Exception as error:  # a bug in a handler must answer, not hang the client
+                            reply = Reply(500, {"error": {"message": f"{type(error).__name__}: {error}"}})
+                        return self._send(reply)
+                self._send(Reply(404, {"error": {"message": f"no route for {method} {path}"}}))
+
+            def _send(self, reply: Reply) -> None:
+                if reply.stream is not None:
+                    self.send_response(reply.status)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("Connection", "close")
+                    self.end_headers()
+                    for chunk in reply.stream:
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                    self.close_connection = True
+                    return
+                payload = json.dumps(reply.body, ensure_ascii=False).encode()
+                self.send_response(reply.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                for key, value in reply.headers.items():
+                    self.send_header(key, value)
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def do_GET(self) -> None:
+                self._dispatch("GET")
+
+            def do_POST(self) -> None:
+                self._dispatch("POST")
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = False
+
+        self._server = Server(("127.0.0.1", port), Handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> JsonServer:
+        self._thread = threading.Thread(target=self._server.serve_forever, name="json-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> JsonServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def post_json(url: str, body: Any, *, headers: dict[str, str] | None = None, timeout: float = 600.0) -> Any:
+    """POST JSON and decode the JSON reply; HTTP errors raise HttpError with the server's message."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        detail = error.read().decode(errors="replace")
+        try:
+            detail = json.loads(detail)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise HttpError(error.code, f"{url}: {detail}") from None
+
+
+def get_json(url: str, timeout: float = 30.0) -> Any:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())

@@ -1,0 +1,118 @@
+"""The policy server's wire protocol, shared by the real policy server (trainer environment) and the
+scripted one (service stage): OpenAI-compatible chat completions with vLLM-style token extras, the
+token-in/token-out /inference/v1/generate, and how a call is attributed to an episode.
+
+Attribution channels, in order: URL prefix /episodes/<id>/..., header X-Episode-ID, body
+metadata.episode_id. A call none of them names cannot be attributed and is refused (HTTP 400).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from ._http import Call, HttpError
+
+EPISODE_PREFIX = r"(?:/episodes/(?P<episode>[^/]+))?"
+CHAT_PATH = EPISODE_PREFIX + r"/v1/chat/completions"
+MODELS_PATH = EPISODE_PREFIX + r"/v1/models"
+GENERATE_PATH = EPISODE_PREFIX + r"/inference/v1/generate"
+EPISODE_HEADER = "X-Episode-ID"
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def episode_of(call: Call) -> tuple[str | None, str]:
+    """(episode id, channel) of a policy call; (None, "none") when nothing names the episode."""
+    if call.match.groupdict().get("episode"):
+        return urllib.parse.unquote(call.match.group("episode")), "path"
+    if call.headers.get(EPISODE_HEADER.lower()):
+        return call.headers[EPISODE_HEADER.lower()], "header"
+    metadata = (call.body or {}).get("metadata") if isinstance(call.body, dict) else None
+    if isinstance(metadata, dict) and metadata.get("episode_id"):
+        return str(metadata["episode_id"]), "metadata"
+    return None, "none"
+
+
+def require_episode(call: Call) -> tuple[str, str]:
+    episode, channel = episode_of(call)
+    if episode is None:
+        raise HttpError(400, "policy call cannot be attributed to an episode: send header X-Episode-ID, body "
+                             "metadata.episode_id, or call through /episodes/<id>/v1")
+    return episode, channel
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Hermes/Qwen `<tool_call>{json}</tool_call>` blocks -> (remaining content, OpenAI tool_calls).
+    A block that is not valid JSON with a name stays in the content, as vLLM's hermes parser leaves it."""
+    calls: list[dict[str, Any]] = []
+    for block in _TOOL_CALL.findall(text):
+        try:
+            parsed = json.loads(block)
+            name, arguments = parsed["name"], parsed.get("arguments", {})
+            if not isinstance(name, str) or not isinstance(arguments, dict):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return text, []
+        calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+                      "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
+    if not calls:
+        return text, []
+    return _TOOL_CALL.sub("", text).strip(), calls
+
+
+def chat_completion(*, model: str, content: str | None, tool_calls: list[dict[str, Any]], finish_reason: str,
+                    prompt_ids: list[int] | None = None, completion_ids: list[int] | None = None,
+                    logprobs: list[float] | None = None, want_logprobs: bool = False,
+                    want_token_ids: bool = False) -> dict[str, Any]:
+    """An OpenAI chat.completion object; vLLM-style `prompt_token_ids` / `token_ids` / logprobs when asked."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    if want_logprobs and completion_ids is not None and logprobs is not None:
+        choice["logprobs"] = {"content": token_logprobs(completion_ids, logprobs)}
+    body: dict[str, Any] = {
+        "id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
+        "model": model, "choices": [choice],
+        "usage": {"prompt_tokens": len(prompt_ids or []), "completion_tokens": len(completion_ids or []),
+                  "total_tokens": len(prompt_ids or []) + len(completion_ids or [])},
+    }
+    if want_token_ids and completion_ids is not None:
+        choice["token_ids"] = completion_ids
+        body["prompt_token_ids"] = prompt_ids
+    return body
+
+
+def token_logprobs(ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:
+    """vLLM's `return_tokens_as_token_ids` form: one {token: "token_id:<id>", logprob} per sampled token."""
+    return [{"token": f"token_id:{token}", "logprob": lp, "bytes": None, "top_logprobs": []}
+            for token, lp in zip(ids, logprobs, strict=True)]
+
+
+def stream_chunks(body: dict[str, Any]) -> Iterator[bytes]:
+    """A finished chat.completion replayed as server-sent events (role, content, tool calls, finish, [DONE])."""
+    choice = body["choices"][0]
+    message = choice["message"]
+    base = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
+
+    def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+
+    yield event({"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield event({"content": message["content"]}, logprobs=choice.get("logprobs"))
+    for index, tool_call in enumerate(message.get("tool_calls") or []):
+        yield event({"tool_calls": [{"index": index, **tool_call}]})
+    yield event({}, choice["finish_reason"])
+    yield b"data: [DONE]\n\n"
+
+
+def models_body(model: str) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "runner"}]}

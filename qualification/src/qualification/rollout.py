@@ -1,0 +1,286 @@
+"""The rollout service every environment adapter exposes, and the scaffold that runs it.
+
+An adapter subclasses RolloutBackend (lifecycle hooks: start, run_episode, kill_environment,
+restart_environment, stop) and its entry point returns `adapter_main(Backend(), request)`. The scaffold
+handles the stages an environment stack runs itself:
+
+- probe: python, installed packages, upstream version, capabilities;
+- service: every scripted case of the plan's families through run_episode against a ScriptedPolicyServer
+  (service.jsonl), so the stack's native scoring is checked against the reference scorer;
+- serve: the long-running rollout service on 127.0.0.1 (GET /health, GET /info, POST /rollouts); it writes
+  service.json {url, pid} when ready and stops on SIGTERM.
+
+POST /rollouts takes a RolloutRequest and answers a RolloutResponse with exactly one EpisodeResult per
+requested episode: an episode whose environment went down (EnvironmentDown) is retried after a restart
+up to max_attempts, then reported as failed; none is dropped. See docs/rollout-service.md.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import signal
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from runner_contracts import (
+    EnvironmentInfo,
+    EpisodeResult,
+    EpisodeSpec,
+    ErrorInfo,
+    Hardware,
+    JsonlWriter,
+    RolloutRequest,
+    RolloutResponse,
+    SamplingSpec,
+    ServiceCase,
+    StageRequest,
+    StageResult,
+    Upstream,
+    write_atomic,
+)
+
+from ._http import Call, HttpError, JsonServer, Reply
+from .policy_protocol import EPISODE_HEADER
+from .scripted_policy import ScriptedPolicyServer
+from .tasks import get_family
+
+SERVICE_FILE = "service.json"
+
+
+class EnvironmentDown(Exception):
+    """The upstream environment server is unreachable or died during an episode (retryable)."""
+
+
+@dataclass(frozen=True)
+class PolicyEndpoint:
+    """Where and how an episode calls the policy."""
+
+    base_url: str  # http://127.0.0.1:PORT/v1
+    model: str
+    sampling: SamplingSpec
+    tokenizer_dir: str | None = None
+
+    def headers(self, episode_id: str) -> dict[str, str]:
+        return {EPISODE_HEADER: episode_id}
+
+    def episode_base_url(self, episode_id: str) -> str:
+        """A base URL that names the episode in its path, for clients that cannot add headers."""
+        root = self.base_url.removesuffix("/").removesuffix("/v1")
+        return f"{root}/episodes/{urllib.parse.quote(episode_id, safe='')}/v1"
+
+
+class RolloutBackend:
+    """One environment stack driven natively. Subclasses set the class attributes and the hooks."""
+
+    stack: str = ""
+    upstream_name: str = ""
+    capabilities: list[str] = []
+    episode_id_channel: str = ""
+
+    def start(self) -> None:
+        """Starts the upstream environment server(s) on 127.0.0.1 and waits until they answer."""
+
+    def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
+        raise NotImplementedError
+
+    def kill_environment(self) -> None:
+        """SIGKILLs the upstream environment server (fault injection)."""
+        raise NotImplementedError
+
+    def restart_environment(self) -> None:
+        """Brings the environment server back after a crash; a no-op when it is up."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """Stops everything start() started."""
+
+
+# --- probe -------------------------------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def environment_info(upstream_name: str, gpus: list[str] | None = None) -> EnvironmentInfo:
+    """What is installed in this environment (names normalised), with the upstream's version."""
+    packages = {dist.metadata["Name"].lower().replace("_", "-").replace(".", "-"): dist.version
+                for dist in importlib.metadata.distributions()}
+    return EnvironmentInfo(
+        engine="", python=platform.python_version(), packages=packages,
+        upstream=Upstream(name=upstream_name, version=packages.get(upstream_name.lower().replace("_", "-"), "")),
+        hardware=Hardware(cpu=cpu_name(), cpu_count=os.cpu_count() or 0, gpus=gpus or []),
+    )
+
+
+# --- running batches -----------------------------------------------------------------------------------
+
+
+class BatchRunner:
+    """Runs a RolloutRequest's episodes on a backend: concurrency, retries after restarts, fault injection."""
+
+    def __init__(self, backend: RolloutBackend):
+        self.backend = backend
+        self._restart_lock = threading.Lock()
+        self._generation = 0  # bumped on every restart, so concurrent failures restart once
+
+    def run(self, request: RolloutRequest) -> RolloutResponse:
+        started = time.monotonic()
+        policy = PolicyEndpoint(base_url=request.policy_base_url, model=request.policy_model,
+                                sampling=request.sampling, tokenizer_dir=request.tokenizer_dir)
+        counter = {"started": 0, "faults": 0, "restarts": 0}
+        counter_lock = threading.Lock()
+
+        def on_start() -> None:
+            fault = request.fault
+            with counter_lock:
+                counter["started"] += 1
+                fire = fault is not None and counter["faults"] == 0 and counter["started"] > fault.kill_environment_after_started
+                if fire:
+                    counter["faults"] += 1
+            if fire:
+                self.backend.kill_environment()
+
+        def one(episode: EpisodeSpec) -> EpisodeResult:
+            return self._run_with_retries(episode, policy, request.max_attempts, on_start, counter, counter_lock)
+
+        with ThreadPoolExecutor(max_workers=request.concurrency, thread_name_prefix="episode") as pool:
+            results = list(pool.map(one, request.episodes))
+        return RolloutResponse(stack=self.backend.stack, results=results, environment_restarts=counter["restarts"],
+                               faults_injected=counter["faults"], seconds=round(time.monotonic() - started, 3))
+
+    def _run_with_retries(self, episode, policy, max_attempts, on_start, counter, counter_lock) -> EpisodeResult:
+        errors: list[str] = []
+        for attempt in range(1, max_attempts + 1):
+            generation = self._generation
+            began = time.monotonic()
+            try:
+                if attempt == 1:
+                    on_start()
+                result = self.backend.run_episode(episode, policy)
+                return msgspec.structs.replace(result, attempts=attempt,
+                                               seconds=round(time.monotonic() - began, 3))
+            except EnvironmentDown as error:
+                errors.append(f"attempt {attempt}: {error}")
+                with self._restart_lock:
+                    if self._generation == generation:  # the first failure of this generation restarts
+                        self.backend.restart_environment()
+                        self._generation += 1
+                        with counter_lock:
+                            counter["restarts"] += 1
+            except Exception as error:  # a failure of the episode itself is reported, never dropped
+                return EpisodeResult(episode_id=episode.episode_id, task_id=episode.task_id, status="failed",
+                                     outcome="error", attempts=attempt,
+                                     error=ErrorInfo(kind=type(error).__name__, message=str(error)),
+                                     seconds=round(time.monotonic() - began, 3))
+        return EpisodeResult(episode_id=episode.episode_id, task_id=episode.task_id, status="failed", outcome="error",
+                             attempts=max_attempts,
+                             error=ErrorInfo(kind="environment-down", message="; ".join(errors)))
+
+
+# --- stages ------------------------------------------------------------------------------------------
+
+
+def adapter_main(backend: RolloutBackend, request: StageRequest) -> StageResult:
+    handlers = {"probe": _probe, "service": _service, "serve": _serve}
+    if request.stage not in handlers:
+        raise ValueError(f"{backend.stack} adapter has no stage {request.stage!r}; it has {', '.join(handlers)}")
+    return handlers[request.stage](backend, request)
+
+
+def _probe(backend: RolloutBackend, request: StageRequest) -> StageResult:
+    return StageResult(stage="probe", environment=environment_info(backend.upstream_name),
+                       capabilities=list(backend.capabilities),
+                       metrics={"episode_id_channel": backend.episode_id_channel})
+
+
+def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:
+    """Scripted known-good and known-bad episodes through the stack's native loop and scoring."""
+    plan = request.plan
+    per_family = int(request.options.get("items_per_family", 3))
+    specs = [(plan.task.family, plan.task.train), (plan.task.retention.family or plan.task.family, plan.task.retention)]
+    episodes: list[tuple[EpisodeSpec, Any, dict[str, Any]]] = []
+    for family_name, split in specs:
+        family = get_family(family_name)
+        for item in family.generate(split.split, per_family, split.seed):
+            for case in family.scripted_cases(item):
+                episode = EpisodeSpec(episode_id=f"service/{item.task_id}/{case['case']}", task_id=item.task_id,
+                                      family=family_name, item=item.to_json(), seed=0,
+                                      max_turns=plan.budget.max_turns)
+                episodes.append((episode, item, case))
+    scripts = {episode.episode_id: case["turns"] for episode, _, case in episodes}
+    backend.start()
+    try:
+        with ScriptedPolicyServer(scripts) as scripted:
+            batch = RolloutRequest(episodes=[e for e, _, _ in episodes], policy_base_url=scripted.base_url,
+                                   policy_model=scripted.model, sampling=plan.sampling, concurrency=2)
+            response = BatchRunner(backend).run(batch)
+            calls = list(scripted.calls)
+    finally:
+        backend.stop()
+    with JsonlWriter(Path(request.out_dir) / "service.jsonl") as writer:
+        for (episode, item, case), result in zip(episodes, response.results, strict=True):
+            writer.write(ServiceCase(
+                task_id=item.task_id, item=item.to_json(), case=case["case"], expected_success=case["expected_success"],
+                final_text=result.final_text,
+                tool_calls=[{"name": c.name, "arguments": c.arguments, "result": c.result} for c in result.tool_calls],
+                stack_reward=result.reward, stack_components=result.reward_components,
+            ))
+    failed = [f"{r.episode_id}: {r.error.message if r.error else r.status}" for r in response.results
+              if r.status != "completed"]
+    unattributed = sum(1 for call in calls if call["episode_id"] not in scripts)
+    return StageResult(stage="service", files={"service": "service.jsonl"}, metrics={
+        "episodes": len(episodes), "failed_episodes": failed, "policy_calls": len(calls),
+        "unattributed_calls": unattributed, "episode_id_channel": backend.episode_id_channel,
+        "channels": sorted({call["channel"] for call in calls}), "seconds": response.seconds,
+    })
+
+
+def _serve(backend: RolloutBackend, request: StageRequest) -> StageResult:
+    """The rollout service; blocks until SIGTERM/SIGINT, then stops the backend."""
+    runner = BatchRunner(backend)
+    batch_lock = threading.Lock()
+    info = {"stack": backend.stack, "upstream": environment_info(backend.upstream_name).upstream,
+            "python": platform.python_version(), "capabilities": list(backend.capabilities),
+            "episode_id_channel": backend.episode_id_channel}
+
+    def rollouts(call: Call) -> Reply:
+        try:
+            batch = msgspec.convert(call.body, RolloutRequest)
+        except msgspec.ValidationError as error:
+            raise HttpError(422, f"not a rollout-request: {error}") from None
+        with batch_lock:  # one batch at a time: the fault counter and restarts are per batch
+            return Reply(body=msgspec.to_builtins(runner.run(batch)))
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    backend.start()
+    server = JsonServer([
+        ("GET", "/health", lambda call: Reply(body={"status": "ok"})),
+        ("GET", "/info", lambda call: Reply(body=msgspec.to_builtins(info))),
+        ("POST", "/rollouts", rollouts),
+    ]).start()
+    try:
+        write_atomic(Path(request.out_dir) / SERVICE_FILE,
+                     msgspec.json.encode({"url": server.url, "pid": os.getpid(), "stack": backend.stack}))
+        stop.wait()
+    finally:
+        server.stop()
+        backend.stop()
+    return StageResult(stage="serve")
