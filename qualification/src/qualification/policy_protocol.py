@@ -116,3 +116,20 @@ def stream_chunks(body: dict[str, Any]) -> Iterator[bytes]:
 
 def models_body(model: str) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "runner"}]}
+
+
+def openai_tools(family) -> list[dict[str, Any]]:
+    """A task family's tools in OpenAI function-calling form, sorted by name: the schema transformers derives
+    for the trainer's tool methods, without its `return` key. Environment stacks declare their tools from it."""
+    return [
+        {"type": "function", "function": {
+            "name": spec.name,
+            "description": spec.description,
+            "parameters": {
+                "type": "object",
+                "properties": {p.name: {"type": p.type, "description": p.description} for p in spec.params},
+                "required": [p.name for p in spec.params],
+            },
+        }}
+        for spec in sorted(family.tools, key=lambda spec: spec.name)
+    ]

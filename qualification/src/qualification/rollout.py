@@ -251,36 +251,51 @@ def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:
     })
 
 
-def _serve(backend: RolloutBackend, request: StageRequest) -> StageResult:
-    """The rollout service; blocks until SIGTERM/SIGINT, then stops the backend."""
-    runner = BatchRunner(backend)
-    batch_lock = threading.Lock()
-    info = {"stack": backend.stack, "upstream": environment_info(backend.upstream_name).upstream,
-            "python": platform.python_version(), "capabilities": list(backend.capabilities),
-            "episode_id_channel": backend.episode_id_channel}
+class RolloutService:
+    """The rollout service's HTTP server around a started backend (one batch at a time)."""
 
-    def rollouts(call: Call) -> Reply:
+    def __init__(self, backend: RolloutBackend):
+        self.backend = backend
+        self.runner = BatchRunner(backend)
+        self._batch_lock = threading.Lock()
+        self.info = {"stack": backend.stack, "upstream": environment_info(backend.upstream_name).upstream,
+                     "python": platform.python_version(), "capabilities": list(backend.capabilities),
+                     "episode_id_channel": backend.episode_id_channel}
+        self.server = JsonServer([
+            ("GET", "/health", lambda call: Reply(body={"status": "ok"})),
+            ("GET", "/info", lambda call: Reply(body=msgspec.to_builtins(self.info))),
+            ("POST", "/rollouts", self._rollouts),
+        ])
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def _rollouts(self, call: Call) -> Reply:
         try:
             batch = msgspec.convert(call.body, RolloutRequest)
         except msgspec.ValidationError as error:
             raise HttpError(422, f"not a rollout-request: {error}") from None
-        with batch_lock:  # one batch at a time: the fault counter and restarts are per batch
-            return Reply(body=msgspec.to_builtins(runner.run(batch)))
+        with self._batch_lock:  # the fault counter and restarts are per batch
+            return Reply(body=msgspec.to_builtins(self.runner.run(batch)))
 
+    def __enter__(self) -> RolloutService:
+        self.backend.start()
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.stop()
+        self.backend.stop()
+
+
+def _serve(backend: RolloutBackend, request: StageRequest) -> StageResult:
+    """The rollout service; blocks until SIGTERM/SIGINT, then stops the backend."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    backend.start()
-    server = JsonServer([
-        ("GET", "/health", lambda call: Reply(body={"status": "ok"})),
-        ("GET", "/info", lambda call: Reply(body=msgspec.to_builtins(info))),
-        ("POST", "/rollouts", rollouts),
-    ]).start()
-    try:
+    with RolloutService(backend) as service:
         write_atomic(Path(request.out_dir) / SERVICE_FILE,
-                     msgspec.json.encode({"url": server.url, "pid": os.getpid(), "stack": backend.stack}))
+                     msgspec.json.encode({"url": service.url, "pid": os.getpid(), "stack": backend.stack}))
         stop.wait()
-    finally:
-        server.stop()
-        backend.stop()
     return StageResult(stage="serve")

@@ -13,7 +13,6 @@ from .base import (
     Transcript,
     exact_overlap,
     ngram_overlap,
-    openai_tools,
     replay,
     split_hash,
     strict_final_answer,
@@ -46,5 +45,5 @@ def get_family(name: str) -> TaskFamily:
 
 __all__ = [
     "FAMILIES", "FROZEN_SPLITS", "SPLITS", "Score", "TaskFamily", "TaskItem", "ToolCall", "ToolParam", "ToolSpec",
-    "Transcript", "exact_overlap", "get_family", "ngram_overlap", "openai_tools", "replay", "split_hash", "strict_final_answer",
+    "Transcript", "exact_overlap", "get_family", "ngram_overlap", "replay", "split_hash", "strict_final_answer",
 ]

@@ -146,20 +146,3 @@ def exact_overlap(train: list[TaskItem], heldout: list[TaskItem]) -> int:
     """Number of held-out items whose question also appears verbatim in the train split."""
     seen = {item.question for item in train}
     return sum(1 for item in heldout if item.question in seen)
-
-
-def openai_tools(family: TaskFamily) -> list[dict[str, Any]]:
-    """The family's tools in OpenAI function-calling form (the schema transformers derives for the trainer's
-    tool methods, without its `return` key). Environment stacks declare their native tools from this."""
-    return [
-        {"type": "function", "function": {
-            "name": spec.name,
-            "description": spec.description,
-            "parameters": {
-                "type": "object",
-                "properties": {p.name: {"type": p.type, "description": p.description} for p in spec.params},
-                "required": [p.name for p in spec.params],
-            },
-        }}
-        for spec in sorted(family.tools, key=lambda spec: spec.name)
-    ]

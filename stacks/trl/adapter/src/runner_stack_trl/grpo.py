@@ -65,7 +65,8 @@ class Recorder:
     """Writes trajectories.jsonl and training.jsonl for every training batch."""
 
     def __init__(self, out_dir: Path, *, run_id: str, stack: str, stage: str, initial_revision: str,
-                 checkpoint_dir: Path, resume_from: str | None = None):
+                 checkpoint_dir: Path, resume_from: str | None = None, non_policy_source: str = "tool"):
+        self.non_policy_source = non_policy_source  # tool: TRL's own tool loop; env: an environment stack's text
         self.resume_from = Path(resume_from) if resume_from else None
         self.run_id, self.stack, self.stage = run_id, stack, stage
         self.initial_revision = initial_revision
@@ -116,12 +117,13 @@ class Recorder:
             for start, end, is_policy in _runs(provenance):
                 ids = completion[start:end]
                 segments.append(Segment(
-                    source="policy" if is_policy else "tool",
+                    source="policy" if is_policy else self.non_policy_source,
                     token_ids=ids,
                     logprobs=[min(0.0, lp) for lp in logps[start:end]] if is_policy else None,
                     text=tokenizer.decode(ids),
                 ))
-            score, transcript = reward.last[row]
+            score, _ = reward.last[row]
+            error = reward.errors[row] if getattr(reward, "errors", None) else None
             truncated = not completion or completion[-1] not in eos_ids
             episode_id = f"{self.stage}/s{step}/g{group}/{sample}"
             item_id = get_item_id(example)
@@ -131,10 +133,10 @@ class Recorder:
                 task_id=item_id, group_id=f"{self.stage}/s{step}/g{group}", sample_index=sample,
                 policy_revision=revision, segments=segments, reward=score.reward,
                 reward_components=score.components,
-                outcome="truncated" if truncated and not score.success else score.outcome,
+                outcome="error" if error else "truncated" if truncated and not score.success else score.outcome,
                 finish_reason="length" if truncated else "stop",
                 turns=sum(1 for segment in segments if segment.source == "policy"),
-                error=None, timing={"batch_generate_s": elapsed},
+                error=error, timing={"batch_generate_s": elapsed},
             ))
             loss_mask = [0] * len(prompt) + [int(m) for m in provenance]
             self.training.write(TrainingRow(

@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import copy
-import importlib.metadata
 import inspect
 import json
 import os
-import platform
 import shutil
 from pathlib import Path
 from typing import Any
 
 from qualification.tasks import TaskItem, get_family
 from runner_contracts import (
-    EnvironmentInfo,
     EvalRecord,
-    Hardware,
     JsonlWriter,
     ServiceCase,
     StageRequest,
     StageResult,
-    Upstream,
     sha256_file,
 )
 
@@ -31,6 +26,12 @@ CAPABILITIES = ["grpo", "sft", "multi-turn-tools", "resume", "cpu", "token-captu
 
 
 def run(request: StageRequest) -> StageResult:
+    if request.options.get("rollout_service") and request.stage in ("rollout", "update", "train", "evaluate"):
+        from . import bridge  # an environment-stack arm: episodes run in that stack's rollout service
+
+        handlers = {"rollout": bridge.rollout, "update": bridge.train, "train": bridge.train,
+                    "evaluate": bridge.evaluate}
+        return handlers[request.stage](request)
     handlers = {
         "probe": probe,
         "build-policy": build_policy,
@@ -45,30 +46,13 @@ def run(request: StageRequest) -> StageResult:
     return handlers[request.stage](request)
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def probe(request: StageRequest) -> StageResult:
     import torch
 
-    packages = {dist.metadata["Name"].lower().replace("_", "-"): dist.version
-                for dist in importlib.metadata.distributions()}
+    from qualification.rollout import environment_info
+
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    environment = EnvironmentInfo(
-        engine="",
-        python=platform.python_version(),
-        packages=packages,
-        upstream=Upstream(name="trl", version=packages.get("trl", "")),
-        hardware=Hardware(cpu=_cpu_name(), cpu_count=os.cpu_count() or 0, gpus=gpus),
-    )
-    return StageResult(stage="probe", environment=environment, capabilities=CAPABILITIES,
+    return StageResult(stage="probe", environment=environment_info("trl", gpus), capabilities=CAPABILITIES,
                        metrics={"torch": str(torch.__version__), "cuda_available": torch.cuda.is_available()})
 
 

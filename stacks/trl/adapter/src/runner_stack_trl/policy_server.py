@@ -1,0 +1,293 @@
+"""The policy server environment stacks call: OpenAI-compatible chat completions (streaming or not, tool
+calls, vLLM-style token ids and logprobs), /v1/models, and the token-in/token-out /inference/v1/generate,
+backed by the trainer's current weights (the same model object GRPO updates).
+
+Token truth: every call is logged (PolicyCall) with the exact prompt ids it sampled from, the sampled ids
+and their logprobs under the processed sampling distribution. A chat request that repeats an episode's
+conversation plus new messages is tokenised as the episode's previous ids + the ids of the new text, so
+the assistant turns the server sampled are never re-tokenised; when the history differs from what the
+server returned (an edited turn), the conversation is rendered afresh and the trainer counts the break.
+
+Sampling is seeded per call from (plan seed, episode id, call index), so an episode's tokens do not
+depend on how concurrent episodes interleave, and a resumed run samples what the uninterrupted one did.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qualification._http import Call, HttpError, JsonServer, Reply
+from qualification.policy_protocol import (
+    CHAT_PATH,
+    GENERATE_PATH,
+    MODELS_PATH,
+    chat_completion,
+    episode_of,
+    models_body,
+    parse_tool_calls,
+    stream_chunks,
+    token_logprobs,
+)
+from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec
+
+
+def canonical_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Request tools in the form the trainer renders them (transformers' get_json_schema of a str-returning
+    function, sorted by name), so a prompt is rendered the same whichever stack sent the schema."""
+    if not tools:
+        return None
+    rendered = []
+    for tool in tools:
+        function = tool.get("function", tool)
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        properties = {name: {"type": spec.get("type", "string"), "description": spec.get("description", "")}
+                      for name, spec in (parameters.get("properties") or {}).items()}
+        schema: dict[str, Any] = {"type": "object", "properties": properties}
+        if parameters.get("required"):
+            schema["required"] = list(parameters["required"])
+        rendered.append({"type": "function", "function": {
+            "name": function["name"], "description": function.get("description", ""), "parameters": schema,
+            "return": {"type": "string"}}})
+    return sorted(rendered, key=lambda tool: tool["function"]["name"])
+
+
+def canonical_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages reduced to what the chat template renders (tool-call arguments as dicts)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):  # OpenAI content parts
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        entry: dict[str, Any] = {"role": message["role"], "content": (content or "").strip()}
+        calls = []
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", call)
+            arguments = function.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError:
+                    arguments = {"_raw": arguments}
+            calls.append({"type": "function", "function": {"name": function.get("name", ""), "arguments": arguments}})
+        if calls:
+            entry["tool_calls"] = calls
+        if message["role"] == "tool" and message.get("name"):
+            entry["name"] = message["name"]
+        out.append(entry)
+    return out
+
+
+def call_seed(base_seed: int, episode_id: str, index: int) -> int:
+    digest = hashlib.sha256(f"{base_seed}\0{episode_id}\0{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class _EpisodeHistory:
+    messages: list[dict[str, Any]] = field(default_factory=list)  # canonical, ending with the sampled turn
+    ids: list[int] = field(default_factory=list)  # prompt + sampled ids of the last call
+    calls: int = 0
+    reusable: bool = False  # the last turn ended with EOS, so its ids close the assistant message
+
+
+class PolicyServer:
+    """Serves `model` (shared with the trainer) on 127.0.0.1; logs every call to `calls_path`."""
+
+    model_name = "policy"
+
+    def __init__(self, model, tokenizer, *, sampling: SamplingSpec, calls_path: Path, revision: str):
+        self.model, self.tokenizer = model, tokenizer
+        self.sampling = sampling
+        self.revision = revision
+        self.greedy = False  # evaluation decodes greedily whatever the request asks, as the trl arm does
+        self.eos_ids = {tokenizer.eos_token_id} | ({tokenizer.pad_token_id} - {None})
+        self._writer = JsonlWriter(calls_path)
+        self._lock = threading.Lock()  # one generation at a time: CPU-bound, and the model is shared
+        self._log_lock = threading.Lock()
+        self._episodes: dict[str, _EpisodeHistory] = {}
+        self.calls: list[PolicyCall] = []
+        self._server = JsonServer([
+            ("GET", MODELS_PATH, lambda call: Reply(body=models_body(self.model_name))),
+            ("POST", CHAT_PATH, self._chat),
+            ("POST", GENERATE_PATH, self._generate_tokens),
+        ])
+
+    @property
+    def base_url(self) -> str:
+        return self._server.url + "/v1"
+
+    def start(self) -> PolicyServer:
+        self._server.start()
+        return self
+
+    def close(self, ok: bool = True) -> None:
+        self._server.stop()
+        self._writer.close() if ok else self._writer.abandon()
+
+    def calls_of(self, episode_id: str) -> list[PolicyCall]:
+        with self._log_lock:
+            return [call for call in self.calls if call.episode_id == episode_id]
+
+    # --- sampling --------------------------------------------------------------------------------------
+
+    def sample(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+               seed: int) -> tuple[list[int], list[float], str]:
+        """Autoregressive sampling with a KV cache: (ids, logprobs under the processed distribution, finish)."""
+        import torch
+
+        greedy = self.greedy or temperature <= 0
+        generator = torch.Generator().manual_seed(seed)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                output = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
+                for _ in range(max_new_tokens):
+                    logits = output.logits[0, -1].float()
+                    if greedy:
+                        scores = torch.log_softmax(logits, dim=-1)
+                        token = int(torch.argmax(scores))
+                    else:
+                        scores = _processed_logprobs(logits, temperature, top_p, top_k)
+                        token = int(torch.multinomial(scores.exp(), 1, generator=generator))
+                    ids.append(token)
+                    logprobs.append(min(0.0, float(scores[token])))
+                    if token in self.eos_ids:
+                        return ids, logprobs, "stop"
+                    output = self.model(input_ids=torch.tensor([[token]]), past_key_values=output.past_key_values,
+                                        use_cache=True)
+        finally:
+            self.model.train(was_training)
+        return ids, logprobs, "length"
+
+    def _sample_logged(self, episode: str | None, channel: str, endpoint: str, prompt_ids: list[int],
+                       body: dict[str, Any], index: int) -> PolicyCall:
+        started = time.monotonic()
+        with self._lock:
+            ids, logprobs, finish = self.sample(
+                prompt_ids,
+                max_new_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens")
+                                   or self.sampling.max_new_tokens),
+                temperature=float(body["temperature"]) if body.get("temperature") is not None else self.sampling.temperature,
+                top_p=float(body["top_p"]) if body.get("top_p") is not None else self.sampling.top_p,
+                top_k=int(body["top_k"]) if body.get("top_k") is not None else self.sampling.top_k,
+                seed=call_seed(self.sampling.seed, episode or "", index),
+            )
+            revision = self.revision
+        record = PolicyCall(call_id=f"{episode}#{index}", episode_id=episode, channel=channel, endpoint=endpoint,
+                            index_in_episode=index, policy_revision=revision, prompt_ids=prompt_ids,
+                            completion_ids=ids, logprobs=logprobs, finish_reason=finish,
+                            seconds=round(time.monotonic() - started, 4))
+        self._log(record)
+        return record
+
+    def _log(self, record: PolicyCall) -> None:
+        with self._log_lock:
+            self.calls.append(record)
+            self._writer.write(record)
+            self._writer.flush()
+
+    def _attribute(self, call: Call, endpoint: str) -> tuple[str, str]:
+        episode, channel = episode_of(call)
+        if episode is None:
+            self._log(PolicyCall(call_id=f"unattributed#{len(self.calls)}", episode_id=None, channel="none",
+                                 endpoint=endpoint, index_in_episode=0, policy_revision=self.revision,
+                                 prompt_ids=[], completion_ids=[], logprobs=[], finish_reason="refused"))
+            raise HttpError(400, "policy call cannot be attributed to an episode: send header X-Episode-ID, "
+                                 "body metadata.episode_id, or call through /episodes/<id>/v1")
+        return episode, channel
+
+    # --- endpoints -------------------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, Any]], tools, *, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _prompt_ids(self, history: _EpisodeHistory, messages: list[dict[str, Any]], tools) -> list[int]:
+        known = len(history.messages)
+        if history.reusable and len(messages) > known and messages[:known] == history.messages:
+            before = self._render(history.messages, tools, generation_prompt=False)
+            after = self._render(messages, tools, generation_prompt=True)
+            if after.startswith(before):
+                eos_text = self.tokenizer.eos_token
+                glue = before[before.rfind(eos_text) + len(eos_text):] if eos_text in before else ""
+                return history.ids + self._encode(glue + after[len(before):])
+        return self._encode(self._render(messages, tools, generation_prompt=True))
+
+    def _chat(self, call: Call) -> Reply:
+        body = call.body or {}
+        episode, channel = self._attribute(call, "chat")
+        messages = canonical_messages(body.get("messages") or [])
+        if not messages:
+            raise HttpError(400, "messages must be a non-empty list")
+        tools = canonical_tools(body.get("tools"))
+        with self._log_lock:
+            history = self._episodes.setdefault(episode, _EpisodeHistory())
+            index = history.calls
+            history.calls += 1
+        prompt_ids = self._prompt_ids(history, messages, tools)
+        record = self._sample_logged(episode, channel, "chat", prompt_ids, body, index)
+        text = self.tokenizer.decode(record.completion_ids, skip_special_tokens=True)
+        content, tool_calls = parse_tool_calls(text)
+        finish = "tool_calls" if tool_calls else record.finish_reason
+        reply = {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})}
+        with self._log_lock:
+            self._episodes[episode] = _EpisodeHistory(
+                messages=messages + canonical_messages([reply]), ids=prompt_ids + record.completion_ids,
+                calls=history.calls, reusable=record.finish_reason == "stop")
+        completion = chat_completion(
+            model=body.get("model") or self.model_name, content=content or (None if tool_calls else ""),
+            tool_calls=tool_calls, finish_reason=finish, prompt_ids=prompt_ids, completion_ids=record.completion_ids,
+            logprobs=record.logprobs, want_logprobs=bool(body.get("logprobs")),
+            want_token_ids=bool(body.get("return_token_ids") or body.get("return_tokens_as_token_ids")
+                                or body.get("logprobs")))
+        if body.get("stream"):
+            return Reply(stream=stream_chunks(completion))
+        return Reply(body=completion)
+
+    def _generate_tokens(self, call: Call) -> Reply:
+        """Token-in/token-out: {token_ids, sampling_params} -> choices[0] {token_ids, logprobs, finish_reason}."""
+        body = call.body or {}
+        episode, channel = self._attribute(call, "generate")
+        prompt_ids = body.get("token_ids") or body.get("prompt_token_ids")
+        if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
+            raise HttpError(400, "token_ids must be a list of non-negative integers")
+        params = dict(body.get("sampling_params") or {})
+        with self._log_lock:
+            history = self._episodes.setdefault(episode, _EpisodeHistory())
+            index = history.calls
+            history.calls += 1
+        record = self._sample_logged(episode, channel, "generate", prompt_ids, params, index)
+        return Reply(body={"choices": [{
+            "index": 0, "token_ids": record.completion_ids, "finish_reason": record.finish_reason,
+            "text": self.tokenizer.decode(record.completion_ids, skip_special_tokens=True),
+            "logprobs": {"content": token_logprobs(record.completion_ids, record.logprobs)},
+        }], "prompt_token_ids": prompt_ids, "model": self.model_name})
+
+
+def _processed_logprobs(logits, temperature: float, top_p: float, top_k: int):
+    """log-probabilities after temperature, top-k and top-p, in that order (transformers' warper order)."""
+    import torch
+
+    scores = logits / temperature
+    if top_k and top_k < scores.numel():
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[-1] = False
+        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    return torch.log_softmax(scores, dim=-1)
