@@ -15,6 +15,7 @@ import msgspec
 
 from qualification.gates import (
     TraceAudit,
+    call_gates,
     checkpoint_revisions,
     evaluate_gates,
     sft_gates,
@@ -27,6 +28,7 @@ from qualification.gates import (
 from qualification.tasks import exact_overlap, get_family, ngram_overlap, split_hash
 from runner_contracts import (
     PARTIAL_SUFFIX,
+    PolicyCall,
     Artifact,
     Checkpoint,
     Demonstration,
@@ -49,9 +51,10 @@ from runner_contracts import (
     write_record,
 )
 
-from ._engine import LocalEngine, RunOutcome, StackEnvironment, last_error_lines
+from ._errors import EngineError
+from ._engine import LocalEngine, RunOutcome, ServiceHandle, StackEnvironment, last_error_lines
 from ._policy import vocab_size
-from ._stacks import StackManifest, normalise
+from ._stacks import StackManifest, all_stacks, get_stack, normalise
 
 STAGES = ("probe", "service", "rollout", "update", "resume", "train", "evaluate")
 # SFT trains on demonstrations, not sampled episodes: there is no rollout to audit.
@@ -64,6 +67,9 @@ def now() -> str:
 
 @dataclass
 class Arm:
+    """One stack on one plan. For an environment stack, `env` is its trainer's environment and
+    `service_env` the stack's own, which serves rollouts to the trainer while the arm runs."""
+
     manifest: StackManifest
     engine: LocalEngine
     env: StackEnvironment
@@ -73,10 +79,22 @@ class Arm:
     environment: EnvironmentInfo | None = None
     started: float = field(default_factory=time.monotonic)
     first_update_s: float | None = None
+    service_env: StackEnvironment | None = None
+    service: ServiceHandle | None = None
 
     @property
     def run_id(self) -> str:
         return self.run_dir.name
+
+    def rollout_service_url(self) -> str:
+        """The environment stack's rollout service, started on first use and kept for the arm."""
+        assert self.service_env is not None
+        if self.service is None or not self.service.alive():
+            request = StageRequest(run_id=self.run_id, stack=self.manifest.name, stage="serve", plan=self.plan,
+                                   out_dir=str((self.run_dir / "service").resolve()),
+                                   policy_dir=str(self.policy_dir))
+            self.service = self.engine.start_service(self.service_env, request)
+        return self.service.url
 
     @property
     def policy_dir(self) -> Path:
@@ -85,6 +103,20 @@ class Arm:
 
     def stage_dir(self, stage: str) -> Path:
         return self.run_dir / "stages" / stage
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.stop()
+            self.service = None
+
+
+def prepare_arm(manifest: StackManifest, engine: LocalEngine, plan: Plan, run_dir: Path) -> Arm:
+    """Environments for one arm: the stack's own, plus its trainer's for an environment stack."""
+    if manifest.is_environment:
+        trainer = get_stack(manifest.trainer or "")
+        return Arm(manifest=manifest, engine=engine, env=engine.prepare(trainer), plan=plan, run_dir=run_dir,
+                   service_env=engine.prepare(manifest))
+    return Arm(manifest=manifest, engine=engine, env=engine.prepare(manifest), plan=plan, run_dir=run_dir)
 
 
 @dataclass
@@ -111,11 +143,20 @@ class AdapterFailed(Exception):
 
 def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None, resume_from: Path | None = None,
                 options: dict[str, Any] | None = None, kill_when: Callable[[], bool] | None = None,
-                allow_kill: bool = False) -> tuple[RunOutcome, StageResult | None]:
+                allow_kill: bool = False, in_stack_env: bool = False) -> tuple[RunOutcome, StageResult | None]:
+    """Runs one adapter job. Environment-stack arms run trainer jobs against their rollout service;
+    `in_stack_env` runs the job in the environment stack's own environment instead."""
+    options = dict(options or {})
+    env = arm.env
+    if arm.service_env is not None:
+        if in_stack_env:
+            env = arm.service_env
+        else:
+            options["rollout_service"] = arm.rollout_service_url()
     request = StageRequest(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan=arm.plan,
                            out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir), steps=steps,
-                           resume_from=str(resume_from.resolve()) if resume_from else None, options=options or {})
-    outcome = arm.engine.run(arm.env, request, timeout_s=arm.plan.budget.wall_clock_s, kill_when=kill_when)
+                           resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
+    outcome = arm.engine.run(env, request, timeout_s=arm.plan.budget.wall_clock_s, kill_when=kill_when)
     result = None
     if (out_dir / "result.json").is_file():
         try:
@@ -138,39 +179,74 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
 # --- stages ------------------------------------------------------------------------------------------
 
 
-def stage_probe(arm: Arm) -> StageOutput:
-    _, result = run_adapter(arm, "probe", arm.stage_dir("probe"))
+def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, *, in_stack_env: bool,
+           prefix: str = "probe") -> tuple[EnvironmentInfo, StageResult, list[GateResult]]:
+    _, result = run_adapter(arm, "probe", out, in_stack_env=in_stack_env)
     assert result is not None and result.environment is not None
     reported = result.environment
     installed = {normalise(name): version for name, version in reported.packages.items()}
-    arm.environment = msgspec.structs.replace(
-        reported, engine=arm.engine.name, lock_sha256=arm.env.lock_sha256, packages=installed,
+    environment = msgspec.structs.replace(
+        reported, engine=arm.engine.name, lock_sha256=env.lock_sha256, packages=installed,
+        deviations=list(manifest.deviations),
         upstream=reported.upstream and msgspec.structs.replace(
-            reported.upstream, git_revision=arm.manifest.upstream.git_revision))
-    missing_caps = sorted(set(arm.manifest.capabilities) - set(result.capabilities) - {"build-policy"})
-    upstream_version = installed.get(normalise(arm.manifest.upstream.name))
-    return StageOutput(
-        metrics={"python": reported.python, "capabilities": result.capabilities, **result.metrics},
-        gates=[
-            lock_gate(installed, arm.manifest.locked_packages()),
-            GateResult(name="probe:python", passed=reported.python.startswith(arm.manifest.python + "."),
-                       measured=reported.python, threshold=arm.manifest.python),
-            GateResult(name="probe:upstream", passed=upstream_version == arm.manifest.upstream.version,
-                       measured=upstream_version, threshold=arm.manifest.upstream.version,
-                       detail=f"{arm.manifest.upstream.name} as pinned in stack.toml"),
-            GateResult(name="probe:capabilities", passed=not missing_caps, measured=result.capabilities,
-                       threshold=list(arm.manifest.capabilities),
-                       detail=f"missing: {missing_caps}" if missing_caps else "adapter reports every declared capability"),
-        ],
-    )
+            reported.upstream, git_revision=manifest.upstream.git_revision))
+    missing_caps = sorted(set(manifest.capabilities) - set(result.capabilities) - {"build-policy"})
+    upstream_version = installed.get(normalise(manifest.upstream.name))
+    foreign = {normalise(m.upstream.name) for m in all_stacks().values()
+               if m.name != manifest.name and not normalise(m.upstream.name).startswith("runner-")}
+    if manifest.is_environment:
+        foreign.add("torch")  # environment stacks never train: a torch in there is a leak from elsewhere
+    leaked = sorted(name for name in installed if name in foreign)
+    gates = [
+        msgspec.structs.replace(lock_gate(installed, manifest.locked_packages()), name=f"{prefix}:lock-match"),
+        GateResult(name=f"{prefix}:python", passed=reported.python.startswith(manifest.python + "."),
+                   measured=reported.python, threshold=manifest.python),
+        GateResult(name=f"{prefix}:upstream", passed=upstream_version == manifest.upstream.version,
+                   measured=upstream_version, threshold=manifest.upstream.version,
+                   detail=f"{manifest.upstream.name} as pinned in stack.toml"),
+        GateResult(name=f"{prefix}:capabilities", passed=not missing_caps, measured=result.capabilities,
+                   threshold=list(manifest.capabilities),
+                   detail=f"missing: {missing_caps}" if missing_caps else "adapter reports every declared capability"),
+        GateResult(name=f"{prefix}:no-foreign-packages", passed=not leaked, measured=leaked, threshold=[],
+                   detail=(f"found {', '.join(leaked)}" if leaked else
+                           f"no other stack's upstream{' and no torch' if manifest.is_environment else ''} installed")),
+    ]
+    return environment, result, gates
+
+
+def stage_probe(arm: Arm) -> StageOutput:
+    out = arm.stage_dir("probe")
+    if arm.service_env is None:
+        arm.environment, result, gates = _probe(arm, arm.manifest, arm.env, out, in_stack_env=False)
+        return StageOutput(metrics={"python": arm.environment.python, "capabilities": result.capabilities,
+                                    **result.metrics}, gates=gates)
+    arm.environment, result, gates = _probe(arm, arm.manifest, arm.service_env, out, in_stack_env=True)
+    trainer_env, trainer_result, trainer_gates = _probe(arm, arm.env.manifest, arm.env, out / "trainer",
+                                                        in_stack_env=False, prefix="trainer")
+    return StageOutput(gates=gates + trainer_gates, metrics={
+        "python": arm.environment.python, "capabilities": result.capabilities, **result.metrics,
+        "trainer": {"stack": arm.env.manifest.name, "python": trainer_env.python,
+                    "upstream": msgspec.to_builtins(trainer_env.upstream), "lock_sha256": trainer_env.lock_sha256,
+                    **trainer_result.metrics}})
 
 
 def stage_service(arm: Arm) -> StageOutput:
     out = arm.stage_dir("service")
-    run_adapter(arm, "service", out)
+    _, result = run_adapter(arm, "service", out, in_stack_env=arm.service_env is not None)
     cases = read_jsonl(out / "service.jsonl", ServiceCase)
     splits, split_gates = split_evidence(arm.plan)
-    return StageOutput(metrics={"cases": len(cases), "splits": splits}, gates=service_gates(cases) + split_gates)
+    gates = service_gates(cases) + split_gates
+    metrics: dict[str, Any] = {"cases": len(cases), "splits": splits}
+    if arm.service_env is not None and result is not None:
+        failed, unattributed = result.metrics.get("failed_episodes", []), result.metrics.get("unattributed_calls", 0)
+        gates.append(GateResult(
+            name="service:scripted-episodes", passed=not failed and unattributed == 0,
+            measured=len(failed) + unattributed, threshold=0,
+            detail=("; ".join(failed[:3]) or f"{unattributed} unattributed policy calls") if failed or unattributed
+            else f"{len(cases)} scripted episodes ran natively, every policy call attributed "
+                 f"({result.metrics.get('episode_id_channel')})"))
+        metrics.update({k: result.metrics.get(k) for k in ("policy_calls", "channels", "episode_id_channel", "seconds")})
+    return StageOutput(metrics=metrics, gates=gates)
 
 
 def split_evidence(plan: Plan) -> tuple[dict[str, Any], list[GateResult]]:
@@ -219,11 +295,66 @@ def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] 
     return gates, metrics
 
 
+def _environment_arm_audit(arm: Arm, out: Path, result: StageResult | None) -> tuple[list[GateResult], dict]:
+    """Policy-server calls against the trajectories, and the bridge's batch figures."""
+    if arm.service_env is None:
+        return [], {}
+    trajectories = _read_any(out, "trajectories.jsonl", Trajectory)
+    gates, metrics = call_gates(_read_any(out, "calls.jsonl", PolicyCall), trajectories)
+    batches = (result.metrics.get("batches") if result else None) or []
+    for key in ("continuity_breaks", "untrained_calls", "failed_episodes", "retried_episodes",
+                "environment_restarts", "faults_injected", "episodes_without_calls"):
+        metrics[key] = sum(batch.get(key, 0) for batch in batches)
+    seconds = sum(batch.get("rollout_s", 0.0) for batch in batches)
+    if seconds:
+        policy_tokens = sum(len(s.token_ids) for t in trajectories for s in t.segments if s.source == "policy")
+        metrics["rollouts_per_s"] = round(sum(batch.get("episodes", 0) for batch in batches) / seconds, 3)
+        metrics["policy_tokens_per_s"] = round(policy_tokens / seconds, 1)
+    return gates, metrics
+
+
 def stage_rollout(arm: Arm) -> StageOutput:
     out = arm.stage_dir("rollout")
-    run_adapter(arm, "rollout", out)
+    _, result = run_adapter(arm, "rollout", out)
     gates, metrics = audit_trace(arm, out, signal=True, revisions={})
+    call_checks, call_metrics = _environment_arm_audit(arm, out, result)
+    gates += call_checks
+    metrics.update(call_metrics)
+    if arm.service_env is not None:
+        recovery_gates, metrics["recovery"] = _injected_crash(arm, out / "injected-crash")
+        gates += recovery_gates
+    elif result is not None:
+        batch = arm.plan.budget.prompts_per_step * arm.plan.budget.generations_per_prompt
+        seconds = sum(step.get("generate_s", 0.0) for step in result.metrics.get("steps", []))
+        if seconds:
+            metrics["rollouts_per_s"] = round(batch / seconds, 3)
+            metrics["policy_tokens_per_s"] = round(metrics["policy_tokens"] / seconds, 1)
+        metrics["recovery"] = {"applicable": False, "detail": "environment runs in the trainer's process"}
     return StageOutput(metrics=metrics, gates=gates)
+
+
+def _injected_crash(arm: Arm, out: Path) -> tuple[list[GateResult], dict[str, Any]]:
+    """A second rollout batch in which the environment server is SIGKILLed halfway through: every episode
+    must come back, retried after a restart or marked failed; none may be lost."""
+    requested = arm.plan.budget.prompts_per_step * arm.plan.budget.generations_per_prompt
+    arm.on_event("rollout", "injected environment crash")
+    _, result = run_adapter(arm, "rollout", out, options={"fault": {"kill_environment_after_started": requested // 2}})
+    trajectories = _read_any(out, "trajectories.jsonl", Trajectory)
+    batches = (result.metrics.get("batches") if result else None) or []
+    figures = {key: sum(batch.get(key, 0) for batch in batches)
+               for key in ("faults_injected", "environment_restarts", "retried_episodes", "failed_episodes")}
+    returned = {t.episode_id for t in trajectories}
+    figures.update(requested=requested, returned=len(returned), lost=requested - len(returned))
+    gates = [
+        GateResult(name="recovery:fault-injected", passed=figures["faults_injected"] == 1,
+                   measured=figures["faults_injected"], threshold=1,
+                   detail=f"environment server killed after {requested // 2} of {requested} episodes started; "
+                          f"{figures['environment_restarts']} restart(s)"),
+        GateResult(name="recovery:no-episode-lost", passed=figures["lost"] == 0, measured=figures["lost"], threshold=0,
+                   detail=f"{figures['retried_episodes']} retried, {figures['failed_episodes']} marked failed, "
+                          f"{figures['lost']} lost of {requested}"),
+    ]
+    return gates, figures
 
 
 def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageOutput:
@@ -235,6 +366,9 @@ def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageO
                                    read_jsonl(out / "training.jsonl", TrainingRow), steps)
     else:
         gates, metrics = audit_trace(arm, out, signal=signal, revisions=revisions)
+        call_checks, call_metrics = _environment_arm_audit(arm, out, result)
+        gates += call_checks
+        metrics.update(call_metrics)
     losses = [float(x) for x in (result.metrics.get("loss", []) if result else [])]
     gates += update_gates(losses, steps, arm.plan.policy.sha256 or "", revisions, incomplete)
     metrics.update(loss=losses, steps=steps)
@@ -349,6 +483,8 @@ def run_stage(arm: Arm, stage: str) -> Evidence:
         output = StageOutput(error=failure.info)
     except RecordError as error:
         output = StageOutput(error=ErrorInfo(kind="contract-violation", message=str(error)))
+    except EngineError as error:
+        output = StageOutput(error=ErrorInfo(kind="engine", message=str(error)))
     except FileNotFoundError as error:
         output = StageOutput(error=ErrorInfo(kind="missing-output", message=f"adapter did not write {error.filename}"))
     if output.error is not None:
@@ -366,6 +502,13 @@ def run_stage(arm: Arm, stage: str) -> Evidence:
 def run_arm(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | None = None) -> list[Evidence]:
     """Runs the stages in order; a stage that does not pass stops the arm (later stages: skipped)."""
     write_record(arm.run_dir / "plan.json", arm.plan)
+    try:
+        return _run_stages(arm, stages, on_stage)
+    finally:
+        arm.close()
+
+
+def _run_stages(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | None) -> list[Evidence]:
     results: list[Evidence] = []
     stopped = False
     for stage in stages:

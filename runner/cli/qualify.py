@@ -12,7 +12,7 @@ from .._engine import LocalEngine
 from .._errors import UserError
 from .._plan import load_plan
 from .._policy import resolve_policy
-from .._qualify import RECIPE_STAGES, STAGES, Arm, default_run_dir, run_arm
+from .._qualify import RECIPE_STAGES, STAGES, default_run_dir, prepare_arm, run_arm
 from .._report import gate_table, write_report
 from .._stacks import get_stack
 from ._common import cli_errors, console, err_console, print_json
@@ -58,7 +58,6 @@ def qualify(
         log = (lambda message: err_console.print(f"[dim]{message}[/]")) if not json_output else (lambda m: None)
         local = LocalEngine(log=log)
         with err_console.status(f"preparing the {stack} environment and the policy"):
-            env = local.prepare(manifest)
             frozen = resolve_policy(plan, local)
         target = (run_dir or default_run_dir(stack, frozen)).resolve()
         if target.exists() and (target / "plan.json").is_file():
@@ -69,7 +68,8 @@ def qualify(
                 raise UserError(f"--run-dir {target}: holds plan {existing.plan_id[:12]}, not {frozen.plan_id[:12]}; "
                                 "arms with different plans are never mixed")
         target.mkdir(parents=True, exist_ok=True)
-        arm = Arm(manifest=manifest, engine=local, env=env, plan=frozen, run_dir=target)
+        with err_console.status(f"preparing the {stack} environment(s)"):
+            arm = prepare_arm(manifest, local, frozen, target)
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                       console=err_console, disable=json_output) as progress:
             tasks = {stage: progress.add_task(f"{stage}: waiting", total=1) for stage in selected}

@@ -138,3 +138,10 @@ class ReferenceBackend(RolloutBackend):
             reward_components=score["components"], success=score["success"],
             outcome="truncated" if truncated else score["outcome"], finish_reason=finish, turns=turns,
             final_text=final_text, tool_calls=[ToolCallRecord(**c) for c in score["tool_calls"]])
+
+
+def run(request):
+    """Adapter entry (`qualification.reference_backend:run`) for test stacks built on the reference backend."""
+    from .rollout import adapter_main
+
+    return adapter_main(ReferenceBackend(), request)

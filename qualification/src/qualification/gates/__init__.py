@@ -1,5 +1,6 @@
 """Gates: host-side audits over the files a stage wrote. Each returns GateResult records."""
 
+from .calls import call_gates
 from .stages import (
     checkpoint_revisions,
     evaluate_gates,
@@ -13,6 +14,6 @@ from .sft import sft_gates
 from .trace import TraceAudit
 
 __all__ = [
-    "TraceAudit", "checkpoint_revisions", "evaluate_gates", "latest_complete_checkpoint",
+    "TraceAudit", "call_gates", "checkpoint_revisions", "evaluate_gates", "latest_complete_checkpoint",
     "lock_gate", "resume_gates", "service_gates", "sft_gates", "update_gates",
 ]
