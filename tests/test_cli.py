@@ -45,4 +45,4 @@ def test_unknown_family_and_stack_are_one_line_errors(tmp_path):
     plan = tmp_path / "p.yaml"
     plan.write_text("name: x\n")
     result = invoke("qualify", "--stack", "nope", "--plan", str(plan))
-    assert result.exit_code == 2 and "unknown stack 'nope'; known stacks: trl" in result.output
+    assert result.exit_code == 2 and "unknown stack 'nope'; known stacks:" in result.output and "trl" in result.output
