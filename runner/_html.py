@@ -158,7 +158,15 @@ def ci_bars(rows: list[tuple[str, int, int]], *, width: int = 640, confidence: f
     return "".join(parts)
 
 
-def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]]) -> str:
+def comparison_table(names: list[str], rows: list[tuple[str, list[str]]]) -> str:
+    head = "".join(f"<th>{_e(name)}</th>" for name in names)
+    body = "".join(f"<tr><th>{_e(label)}</th>{''.join(f'<td>{_e(cell)}</td>' for cell in cells)}</tr>"
+                   for label, cells in rows)
+    return f"<table><tr><th></th>{head}</tr>{body}</table>"
+
+
+def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
+           comparison: tuple[list[str], list[tuple[str, list[str]]]] | None = None) -> str:
     """One page for one run (one arm) or a comparison (several arms on the same plan)."""
     passed_all = all(data["passed"] for _, _, data in arms)
     title = f"Qualification: {', '.join(arm for arm, _, _ in arms)} on {plan.name}"
@@ -167,6 +175,8 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]]) -
                 f'<code>{_e((plan.policy.sha256 or "")[:16])}</code> · recipe {_e(plan.recipe)} · '
                 f'<span class="badge {"pass" if passed_all else "fail"}">'
                 f'{"every gate passed" if passed_all else "not qualified"}</span></p>']
+    if comparison is not None:
+        sections.append("<h2>Side by side</h2>" + comparison_table(*comparison))
     bars, verdicts = [], []
     for arm, _, data in arms:
         for split, row in (data.get("evaluation") or {}).items():

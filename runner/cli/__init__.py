@@ -6,7 +6,7 @@ import signal
 
 import typer
 
-from . import policy, qualify, report, stacks, tasks, validate
+from . import compare, policy, qualify, report, stacks, tasks, validate
 
 app = typer.Typer(
     name="runner",
@@ -21,6 +21,7 @@ app.add_typer(stacks.app, name="stacks")
 app.add_typer(policy.app, name="policy")
 app.add_typer(tasks.app, name="tasks")
 app.command("qualify")(qualify.qualify)
+app.command("compare")(compare.compare)
 app.command("validate")(validate.validate)
 app.command("report")(report.report)
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-import msgspec
 import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from runner_contracts import Evidence, Plan, read_record
 
 from .._engine import LocalEngine
 from .._errors import UserError
@@ -14,7 +16,7 @@ from .._plan import load_plan
 from .._policy import resolve_policy
 from .._qualify import RECIPE_STAGES, STAGES, default_run_dir, prepare_arm, run_arm
 from .._report import gate_table, write_report
-from .._stacks import get_stack
+from .._stacks import StackManifest, get_stack
 from ._common import cli_errors, console, err_console, print_json
 
 ENGINES = ("local",)
@@ -32,6 +34,38 @@ def _parse_stages(text: str | None, available: tuple[str, ...]) -> list[str]:
     if missing:
         raise UserError(f"--stages: the stack does not provide {', '.join(missing)}")
     return [stage for stage in STAGES if stage in wanted]
+
+
+def check_run_dir(target: Path, plan: Plan) -> None:
+    """Refuses a run directory that already holds another plan's arm."""
+    if target.exists() and (target / "plan.json").is_file():
+        existing = read_record(target / "plan.json", Plan)
+        if existing.plan_id != plan.plan_id:
+            raise UserError(f"run directory {target}: holds plan {(existing.plan_id or '')[:12]}, not "
+                            f"{(plan.plan_id or '')[:12]}; arms with different plans are never mixed")
+
+
+def run_arm_with_progress(manifest: StackManifest, engine: LocalEngine, plan: Plan, target: Path,
+                          selected: list[str], *, quiet: bool) -> tuple[list[Evidence], dict[str, Any]]:
+    """Prepares and runs one arm with a progress line per stage; writes its report."""
+    check_run_dir(target, plan)
+    target.mkdir(parents=True, exist_ok=True)
+    with err_console.status(f"preparing the {manifest.name} environment(s)"):
+        arm = prepare_arm(manifest, engine, plan, target)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=err_console, disable=quiet) as progress:
+        tasks = {stage: progress.add_task(f"{manifest.name} {stage}: waiting", total=1) for stage in selected}
+
+        def on_stage(stage: str, status: str) -> None:
+            progress.update(tasks[stage], description=f"{manifest.name} {stage}: "
+                                                      f"{'running' if status == 'start' else status}",
+                            completed=0 if status == "start" else 1)
+
+        arm.on_event = lambda stage, message: progress.update(tasks[stage], description=f"{manifest.name} {stage}: {message}")
+        evidence = run_arm(arm, selected, on_stage)
+    data = write_report(target)
+    data["run_dir"] = str(target)
+    return evidence, data
 
 
 def qualify(
@@ -60,28 +94,7 @@ def qualify(
         with err_console.status(f"preparing the {stack} environment and the policy"):
             frozen = resolve_policy(plan, local)
         target = (run_dir or default_run_dir(stack, frozen)).resolve()
-        if target.exists() and (target / "plan.json").is_file():
-            from runner_contracts import Plan, read_record
-
-            existing = read_record(target / "plan.json", Plan)
-            if existing.plan_id != frozen.plan_id:
-                raise UserError(f"--run-dir {target}: holds plan {existing.plan_id[:12]}, not {frozen.plan_id[:12]}; "
-                                "arms with different plans are never mixed")
-        target.mkdir(parents=True, exist_ok=True)
-        with err_console.status(f"preparing the {stack} environment(s)"):
-            arm = prepare_arm(manifest, local, frozen, target)
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=err_console, disable=json_output) as progress:
-            tasks = {stage: progress.add_task(f"{stage}: waiting", total=1) for stage in selected}
-
-            def on_stage(stage: str, status: str) -> None:
-                progress.update(tasks[stage], description=f"{stage}: {'running' if status == 'start' else status}",
-                                completed=0 if status == "start" else 1)
-
-            arm.on_event = lambda stage, message: progress.update(tasks[stage], description=f"{stage}: {message}")
-            evidence = run_arm(arm, selected, on_stage)
-        data = write_report(target)
-        data["run_dir"] = str(target)
+        evidence, data = run_arm_with_progress(manifest, local, frozen, target, selected, quiet=json_output)
     if json_output:
         print_json(data)
     else:

@@ -1,0 +1,153 @@
+"""Comparing arms of one plan: the per-arm figures DESIGN.md names, from each arm's evidence only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from runner_contracts import Evidence, Plan, write_atomic
+
+from ._errors import UserError
+from ._html import render as render_html
+from ._report import load_run, summary
+
+ISOLATION = {
+    "local": "none (host network and filesystem shared; scrubbed environment, HOME per stage)",
+}
+
+
+def _metrics(evidence: list[Evidence], stage: str) -> dict[str, Any]:
+    return next((e.metrics for e in evidence if e.stage == stage), {})
+
+
+def _gate(evidence: list[Evidence], name: str) -> bool | None:
+    for record in evidence:
+        for gate in record.gates:
+            if gate.name == name:
+                return gate.passed
+    return None
+
+
+def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> dict[str, Any]:
+    """One arm's row of the comparison."""
+    rollout, train, probe = _metrics(evidence, "rollout"), _metrics(evidence, "train"), _metrics(evidence, "probe")
+    stages = [rollout, _metrics(evidence, "update"), train]
+    environment = data.get("environment") or {}
+    upstream = environment.get("upstream") or {}
+    calls = sum(m.get("policy_calls", 0) for m in stages)
+    return {
+        "stack": stack,
+        "upstream": f"{upstream.get('name')}=={upstream.get('version')}",
+        "python": environment.get("python"),
+        "deviations": environment.get("deviations") or [],
+        "passed": data["passed"],
+        "gates": {e.stage: e.status for e in evidence},
+        "failed_gates": data["failed_gates"],
+        "trace_fidelity": {
+            "token_source": "policy server capture" if calls else "trainer's own sampled ids",
+            "attribution_channel": probe.get("episode_id_channel") or "in-process (no policy server)",
+            "policy_calls": calls,
+            "unattributed_calls": sum(m.get("unattributed_calls", 0) for m in stages),
+            "continuity_breaks": sum(m.get("continuity_breaks", 0) for m in stages),
+            "max_logprob_gap": data.get("max_logprob_gap"),
+            "trained_equals_sampled": _gate(evidence, "trace:trained-equals-sampled"),
+        },
+        "recovery": {
+            "resume_passed": next((e.status == "passed" for e in evidence if e.stage == "resume"), None),
+            "injected_environment_crash": rollout.get("recovery"),
+        },
+        "isolation": {
+            "engine": environment.get("engine"),
+            "network_and_filesystem": ISOLATION.get(environment.get("engine") or "", "see evidence"),
+            "foreign_packages_absent": _gate(evidence, "probe:no-foreign-packages"),
+        },
+        "time_to_first_reproducible_update_s": data.get("time_to_first_reproducible_update_s"),
+        "throughput": {"rollouts_per_s": rollout.get("rollouts_per_s"),
+                       "policy_tokens_per_s": rollout.get("policy_tokens_per_s"),
+                       "train_rollouts_per_s": train.get("rollouts_per_s")},
+        "evaluation": data.get("evaluation") or {},
+    }
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """(label, one cell per arm) rows shared by the terminal table, comparison.md and the HTML report."""
+    def crash(arm: dict[str, Any]) -> str:
+        figures = arm["recovery"]["injected_environment_crash"] or {}
+        if not figures or figures.get("applicable") is False:
+            return "n/a (in-process environment)"
+        return (f"{figures['retried_episodes']} retried, {figures['failed_episodes']} failed, "
+                f"{figures['lost']} lost of {figures['requested']}")
+
+    def split(arm: dict[str, Any], name: str) -> str:
+        row = arm["evaluation"].get(name)
+        return f"{row['base']} → {row['trained']}: {row['verdict']}" if row else "–"
+
+    rows = [
+        ("upstream", [a["upstream"] for a in arms]),
+        ("python", [a["python"] + (" (deviation)" if a["deviations"] else "") for a in arms]),
+        ("every gate passed", [_cell(a["passed"]) for a in arms]),
+        ("failed gates", [", ".join(a["failed_gates"]) or "none" for a in arms]),
+        ("token source", [a["trace_fidelity"]["token_source"] for a in arms]),
+        ("episode id channel", [a["trace_fidelity"]["attribution_channel"] for a in arms]),
+        ("policy calls (unattributed)", [f"{a['trace_fidelity']['policy_calls']} "
+                                         f"({a['trace_fidelity']['unattributed_calls']})" for a in arms]),
+        ("continuity breaks", [_cell(a["trace_fidelity"]["continuity_breaks"]) for a in arms]),
+        ("max logprob gap", [_cell(a["trace_fidelity"]["max_logprob_gap"]) for a in arms]),
+        ("trained == sampled", [_cell(a["trace_fidelity"]["trained_equals_sampled"]) for a in arms]),
+        ("resume after SIGKILL", [_cell(a["recovery"]["resume_passed"]) for a in arms]),
+        ("injected env crash", [crash(a) for a in arms]),
+        ("isolation", [f"{a['isolation']['engine']}: {a['isolation']['network_and_filesystem']}" for a in arms]),
+        ("no foreign packages", [_cell(a["isolation"]["foreign_packages_absent"]) for a in arms]),
+        ("first reproducible update (s)", [_cell(a["time_to_first_reproducible_update_s"]) for a in arms]),
+        ("rollouts/s (rollout stage)", [_cell(a["throughput"]["rollouts_per_s"]) for a in arms]),
+        ("policy tokens/s", [_cell(a["throughput"]["policy_tokens_per_s"]) for a in arms]),
+        ("held-out (greedy)", [split(a, "heldout") for a in arms]),
+        ("retention (greedy)", [split(a, "retention") for a in arms]),
+    ]
+    return rows
+
+
+def markdown(plan: Plan, arms: list[dict[str, Any]]) -> str:
+    names = [a["stack"] for a in arms]
+    lines = [f"# Comparison on {plan.name}", "", f"- plan_id: `{plan.plan_id}` (every arm ran this plan)",
+             f"- policy: {plan.policy.kind} `{(plan.policy.sha256 or '')[:16]}`, the same bytes for every arm",
+             f"- budget: {plan.budget.steps} steps x {plan.budget.prompts_per_step} prompts x "
+             f"{plan.budget.generations_per_prompt} generations", "",
+             "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for label, cells in table_rows(arms):
+        lines.append(f"| {label} | " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    lines += ["", "Held-out and retention: base → trained successes with the paired test's verdict; each arm trains "
+              "its own copy of the same starting policy, so differences between arms include sampling noise."]
+    return "\n".join(lines) + "\n"
+
+
+def write_comparison(run_dir: Path, stacks: list[str]) -> dict[str, Any]:
+    """comparison.json, comparison.md and report.html from the arms' run directories."""
+    loaded = []
+    for stack in stacks:
+        plan, evidence = load_run(run_dir / "arms" / stack)
+        loaded.append((stack, plan, evidence))
+    plan_ids = {stack: plan.plan_id for stack, plan, _ in loaded}
+    evidence_ids = {stack: {e.plan_id for e in evidence} for stack, _, evidence in loaded}
+    if len(set(plan_ids.values())) != 1 or any(ids - {next(iter(plan_ids.values()))} for ids in evidence_ids.values()):
+        raise UserError(f"arms ran different plans and are never compared: {plan_ids}")
+    plan = loaded[0][1]
+    datas = [(stack, evidence, summary(plan, evidence)) for stack, _, evidence in loaded]
+    arms = [arm_figures(stack, evidence, data) for stack, evidence, data in datas]
+    result = {"plan_id": plan.plan_id, "plan": plan.name, "passed": all(a["passed"] for a in arms), "arms": arms}
+    write_atomic(run_dir / "comparison.json", json.dumps(result, indent=2, sort_keys=True).encode() + b"\n")
+    write_atomic(run_dir / "comparison.md", markdown(plan, arms).encode())
+    write_atomic(run_dir / "report.html", render_html(plan, datas, comparison=(
+        [a["stack"] for a in arms], table_rows(arms))).encode())
+    return result

@@ -1,0 +1,73 @@
+"""`runner compare`: several stacks, one frozen plan, run one after another, reported side by side."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from .._compare import table_rows, write_comparison
+from .._engine import LocalEngine
+from .._errors import UserError
+from .._plan import load_plan
+from .._policy import resolve_policy
+from .._qualify import RECIPE_STAGES
+from .._stacks import get_stack
+from ._common import cli_errors, console, err_console, print_json
+from .qualify import ENGINES, run_arm_with_progress
+
+
+def compare(
+    stacks: str = typer.Option(..., "--stacks", help="Comma-separated stacks, e.g. trl,openenv,verifiers,nemo-gym."),
+    plan_path: Path = typer.Option(..., "--plan", help="Plan file (YAML) every arm runs, e.g. "
+                                                        "qualification/plans/calc-tool-cpu.yaml."),
+    engine: str = typer.Option("local", "--engine", help="Where the stacks run: local (per-stack virtualenvs)."),
+    run_dir: Path = typer.Option(None, "--run-dir", help="Comparison directory (default: runs/<time>-compare-<plan>); "
+                                                         "arms go to <run-dir>/arms/<stack>."),
+    json_output: bool = typer.Option(False, "--json", help="Print comparison.json to stdout."),
+) -> None:
+    """Qualify several stacks on the same frozen plan, one after another, and compare them.
+
+    Every arm starts from the same policy bytes with the same plan, budget and seeds; environment stacks
+    (nemo-gym, openenv, verifiers) are driven by the same pinned TRL trainer through a policy server, so the
+    comparison isolates the environment stack. Writes comparison.json, comparison.md and report.html:
+    gate matrix, trace fidelity, recovery (resume, injected environment crash), isolation, time to the first
+    reproducible update, throughput, held-out and retention success with confidence intervals.
+    Exit code 0 only if every arm passed every gate.
+    """
+    with cli_errors():
+        if engine not in ENGINES:
+            raise UserError(f"--engine {engine!r}: available engines are {', '.join(ENGINES)}")
+        names = [name.strip() for name in stacks.split(",") if name.strip()]
+        if len(names) < 2 or len(set(names)) != len(names):
+            raise UserError(f"--stacks {stacks!r}: name two or more different stacks")
+        manifests = [get_stack(name) for name in names]
+        plan = load_plan(plan_path)
+        log = (lambda message: err_console.print(f"[dim]{message}[/]")) if not json_output else (lambda m: None)
+        local = LocalEngine(log=log)
+        with err_console.status("preparing the policy"):
+            frozen = resolve_policy(plan, local)
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        target = (run_dir or Path("runs") / f"{stamp}-compare-{re.sub(r'[^A-Za-z0-9_.-]', '_', frozen.name)}").resolve()
+        for manifest in manifests:
+            stages = [s for s in manifest.stages if s in RECIPE_STAGES[frozen.recipe]]
+            run_arm_with_progress(manifest, local, frozen, target / "arms" / manifest.name, stages, quiet=json_output)
+        result = write_comparison(target, names)
+        result["run_dir"] = str(target)
+    if json_output:
+        print_json(result)
+    else:
+        table = Table(title=f"{frozen.name} (plan {frozen.plan_id[:12]})", show_lines=True)
+        table.add_column("")
+        for name in names:
+            table.add_column(name)
+        for label, cells in table_rows(result["arms"]):
+            table.add_row(label, *cells)
+        console.print(table)
+        verdict = "[green]every arm passed every gate[/]" if result["passed"] else "[red]not every arm qualified[/]"
+        console.print(f"{verdict}\ncomparison: {target / 'comparison.md'}, {target / 'comparison.json'}, "
+                      f"{target / 'report.html'}", highlight=False)
+    raise typer.Exit(0 if result["passed"] else 1)
