@@ -133,3 +133,49 @@ def openai_tools(family) -> list[dict[str, Any]]:
         }}
         for spec in sorted(family.tools, key=lambda spec: spec.name)
     ]
+
+
+def canonical_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Request tools in the form the trainer renders them (transformers' get_json_schema of a str-returning
+    function, sorted by name), so a prompt is rendered the same whichever stack sent the schema."""
+    if not tools:
+        return None
+    rendered = []
+    for tool in tools:
+        function = tool.get("function", tool)
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        properties = {name: {"type": spec.get("type", "string"), "description": spec.get("description", "")}
+                      for name, spec in (parameters.get("properties") or {}).items()}
+        schema: dict[str, Any] = {"type": "object", "properties": properties}
+        if parameters.get("required"):
+            schema["required"] = list(parameters["required"])
+        rendered.append({"type": "function", "function": {
+            "name": function["name"], "description": function.get("description", ""), "parameters": schema,
+            "return": {"type": "string"}}})
+    return sorted(rendered, key=lambda tool: tool["function"]["name"])
+
+
+def canonical_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages reduced to what the chat template renders (tool-call arguments as dicts)."""
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):  # OpenAI content parts
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        entry: dict[str, Any] = {"role": message["role"], "content": (content or "").strip()}
+        calls = []
+        for call in message.get("tool_calls") or []:
+            function = call.get("function", call)
+            arguments = function.get("arguments", {})
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments) if arguments.strip() else {}
+                except json.JSONDecodeError:
+                    arguments = {"_raw": arguments}
+            calls.append({"type": "function", "function": {"name": function.get("name", ""), "arguments": arguments}})
+        if calls:
+            entry["tool_calls"] = calls
+        if message["role"] == "tool" and message.get("name"):
+            entry["name"] = message["name"]
+        out.append(entry)
+    return out

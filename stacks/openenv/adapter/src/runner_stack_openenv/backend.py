@@ -1,0 +1,265 @@
+"""The openenv rollout backend: our agent loop over an OpenEnv EnvClient session, the policy over HTTP.
+
+Per episode: one WebSocket session (`TaskEnvClient`, OpenEnv's EnvClient; HTTP /step is stateless, so a
+multi-step episode needs the socket), `reset(episode_id=..., item=...)`, then model calls to the policy's
+/v1/chat/completions with header X-Episode-ID, each tool call executed as an env step, and a final-answer
+step whose observation carries the reference scorer's reward. The server is `create_app(TaskEnvironment)`
+under uvicorn in a subprocess we start, on a 127.0.0.1 socket we bind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+from qualification.policy_protocol import openai_tools
+from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
+from qualification.tasks import TaskItem, get_family
+from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
+
+# Imported lazily by _env_client(): importing openenv.core pulls in gradio (~1.4 s), and probe needs none of it.
+_CLIENT: Any = None
+
+
+def _env_client() -> Any:
+    global _CLIENT
+    if _CLIENT is None:
+        from .client import TaskEnvClient
+
+        _CLIENT = TaskEnvClient
+    return _CLIENT
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What a dead or unreachable environment server raises through EnvClient."""
+    from websockets.exceptions import ConnectionClosed, InvalidHandshake
+
+    return (ConnectionError, ConnectionClosed, InvalidHandshake, TimeoutError, OSError)
+
+
+class EnvServer:
+    """The uvicorn subprocess serving the OpenEnv app, on a socket bound here to 127.0.0.1."""
+
+    def __init__(self, max_sessions: int = 256, ready_timeout_s: float = 60.0):
+        self.max_sessions = max_sessions
+        self.ready_timeout_s = ready_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.port = 0
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> None:
+        sock = self._bind()
+        try:
+            env = {**os.environ, "ENABLE_WEB_INTERFACE": "false"}  # create_app would otherwise mount gradio at /web
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "runner_stack_openenv.server", "--fd", str(sock.fileno()),
+                 "--parent-pid", str(os.getpid()), "--max-sessions", str(self.max_sessions)],
+                pass_fds=(sock.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            # The child holds the only listening copy: once it dies, connections are refused, not queued.
+            sock.close()
+        self.starts += 1
+        self._wait_ready()
+
+    def _bind(self) -> socket.socket:
+        """A listening socket on 127.0.0.1: the previous port when it is free again, else a new free one."""
+        for port in ([self.port] if self.port else []) + [0]:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            sock.listen(256)
+            self.port = sock.getsockname()[1]
+            return sock
+        raise OSError("no free port on 127.0.0.1")
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            if not self.alive():
+                raise RuntimeError(f"OpenEnv server exited with {self.process.returncode} before it was ready")
+            if self.healthy():
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"OpenEnv server on {self.url} not healthy after {self.ready_timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except (OSError, ValueError):
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL (the process is ours: we started it)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.process = None
+
+
+class OpenEnvBackend(RolloutBackend):
+    stack = "openenv"
+    upstream_name = "openenv"
+    capabilities = ["multi-turn-tools", "stateful-tools", "concurrent-episodes", "environment-restart", "cpu",
+                    "token-capture:policy-server", "episode-id:header"]
+    episode_id_channel = ("header X-Episode-ID on every POST /v1/chat/completions (our agent loop makes every "
+                          "model call; the same id goes to OpenEnv reset(episode_id=...))")
+
+    def __init__(self, max_sessions: int = 256, policy_timeout_s: float = 300.0):
+        self.server = EnvServer(max_sessions=max_sessions)
+        self.policy_timeout_s = policy_timeout_s
+        self._lock = threading.Lock()
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            if not self.server.alive():
+                self.server.start()
+
+    def kill_environment(self) -> None:
+        with self._lock:
+            self.server.kill()
+
+    def restart_environment(self) -> None:
+        with self._lock:
+            if self.server.alive() and self.server.healthy():
+                return
+            self.server.kill()
+            self.server.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self.server.stop()
+
+    # --- one episode -------------------------------------------------------------------------------------
+
+    def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
+        from .models import TaskAction
+
+        started = time.monotonic()
+        item = TaskItem.from_json(episode.item)
+        family = get_family(episode.family)
+        tools = openai_tools(family)
+        messages: list[dict[str, Any]] = [{"role": "system", "content": family.system_prompt},
+                                          {"role": "user", "content": item.question}]
+        with self._lock:
+            if not self.server.alive():
+                raise EnvironmentDown(f"OpenEnv server {self.server.url} is not running")
+            url = self.server.url
+        env = _env_client()(base_url=url, connect_timeout_s=10.0, message_timeout_s=60.0).sync()
+        errors = _connection_errors()
+
+        def on_env(what: str, call):
+            try:
+                return call()
+            except errors as error:
+                raise EnvironmentDown(f"OpenEnv {what} on {url}: {type(error).__name__}: {error}") from error
+
+        try:
+            on_env("connect", env.connect)
+            on_env("reset", lambda: env.reset(episode_id=episode.episode_id, item=episode.item, seed=episode.seed))
+            turns, finish, final = 0, "", None
+            while turns < episode.max_turns:
+                message, finish = self._chat(policy, episode, messages, tools)
+                turns += 1
+                last_text = message.get("content") or ""
+                calls = message.get("tool_calls") or []
+                if not calls:
+                    final = on_env("step", lambda: env.step(TaskAction(
+                        kind="answer", text=last_text, truncated=finish == "length")))
+                    break
+                messages.append({"role": "assistant", "content": last_text, "tool_calls": calls})
+                for call in calls:
+                    name, arguments = _function(call)
+                    result = on_env("step", lambda: env.step(TaskAction(kind="tool", name=name, arguments=arguments)))
+                    messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name,
+                                     "content": result.observation.text})
+            if final is None:  # the turn limit ended it without an answer: the env scores "" as truncated
+                finish = "max_turns"
+                final = on_env("step", lambda: env.step(TaskAction(kind="answer", text="", truncated=True)))
+            state = on_env("state", env.state)
+        finally:
+            with contextlib.suppress(Exception):
+                env.close()
+        observation = final.observation
+        return EpisodeResult(
+            episode_id=episode.episode_id, task_id=episode.task_id, status="completed",
+            reward=float(final.reward or 0.0), reward_components=dict(observation.components),
+            success=observation.success, outcome=observation.outcome, finish_reason=finish, turns=turns,
+            final_text=observation.text,
+            tool_calls=[ToolCallRecord(name=c["name"], arguments=c["arguments"], result=c["result"])
+                        for c in state.tool_calls],
+            seconds=round(time.monotonic() - started, 3),
+        )
+
+    def _chat(self, policy: PolicyEndpoint, episode: EpisodeSpec, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
+        """One model call: (choices[0].message, finish_reason)."""
+        sampling = policy.sampling
+        body: dict[str, Any] = {
+            "model": policy.model, "messages": messages, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "top_k": sampling.top_k, "max_tokens": sampling.max_new_tokens, "stream": False,
+        }
+        if tools:
+            body["tools"] = tools
+        request = urllib.request.Request(
+            policy.base_url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(), method="POST",
+            headers={"Content-Type": "application/json", **policy.headers(episode.episode_id)})
+        try:
+            with urllib.request.urlopen(request, timeout=self.policy_timeout_s) as response:
+                reply = json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            raise RuntimeError(f"policy server answered {error.code}: "
+                               f"{error.read().decode(errors='replace')[:500]}") from None
+        except OSError as error:  # the policy is not the environment: no retry
+            raise RuntimeError(f"policy server unreachable: {error}") from None
+        choice = reply["choices"][0]
+        return choice["message"], choice.get("finish_reason") or ""
+
+
+def _function(call: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(name, arguments) of an OpenAI tool call; arguments that are not a JSON object reach the tool as {}
+    (as in the reference backend), so the environment answers with the tool's own error and the call stays
+    on record for the scorer's replay."""
+    function = call.get("function") or {}
+    raw = function.get("arguments")
+    if isinstance(raw, dict):
+        return function.get("name", ""), raw
+    try:
+        parsed = json.loads(raw or "{}")
+    except (TypeError, ValueError):
+        parsed = None
+    return function.get("name", ""), parsed if isinstance(parsed, dict) else {}
