@@ -3,6 +3,7 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 PLAN   ?= qualification/plans/calc-tool-cpu.yaml
+DEMO_STACKS ?= trl,openenv
 STAMP   = $(VENV)/.installed
 
 .PHONY: demo test test-fast bench schema lint clean system-deps
@@ -23,7 +24,7 @@ system-deps:
 
 demo: $(STAMP)
 	$(BIN)/runner stacks list
-	$(BIN)/runner qualify --stack trl --plan $(PLAN)
+	$(BIN)/runner compare --stacks $(DEMO_STACKS) --plan $(PLAN)
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra
@@ -34,6 +35,7 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bench_validate.py
 	$(BIN)/python bench/bench_overhead.py
+	$(BIN)/python bench/bench_environments.py
 
 schema: $(STAMP)
 	$(BIN)/python -m runner_contracts.schema contracts/schema

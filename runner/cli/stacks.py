@@ -16,7 +16,10 @@ app = typer.Typer(help="Inspect the stacks runner knows (folders under stacks/ w
 
 @app.command("list")
 def list_stacks(json_output: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
-    """List stacks with their upstream pin, Python, lock hash and whether their environment is built."""
+    """List stacks with their kind, upstream pin, Python, lock hash and whether their environment is built.
+
+    Trainer stacks (trl) train and host their environment in-process; environment stacks (nemo-gym,
+    openenv, verifiers) serve rollouts to the trainer stack named in their manifest."""
     with cli_errors():
         engine = LocalEngine()
         rows = []
@@ -30,6 +33,7 @@ def list_stacks(json_output: bool = typer.Option(False, "--json", help="Print JS
             rows.append({
                 "name": manifest.name, "upstream": f"{manifest.upstream.name}=={manifest.upstream.version}",
                 "python": manifest.python, "lock_sha256": manifest.lock_sha256, "environment_built": built,
+                "kind": manifest.kind, "trainer": manifest.trainer,
                 "stages": list(manifest.stages), "capabilities": list(manifest.capabilities),
                 "description": manifest.description,
             })
@@ -37,9 +41,10 @@ def list_stacks(json_output: bool = typer.Option(False, "--json", help="Print JS
         print_json(rows)
         return
     table = Table(title="stacks")
-    for column in ("name", "upstream", "python", "lock", "env", "description"):
+    for column in ("name", "kind", "upstream", "python", "lock", "env", "description"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["name"], row["upstream"], row["python"], row["lock_sha256"][:12],
+        kind = f"environment (trainer: {row['trainer']})" if row["kind"] == "environment" else "trainer"
+        table.add_row(row["name"], kind, row["upstream"], row["python"], row["lock_sha256"][:12],
                       "built" if row["environment_built"] else "-", row["description"])
     console.print(table)

@@ -103,6 +103,11 @@ class RolloutBackend:
     def stop(self) -> None:
         """Stops everything start() started."""
 
+    def bench_step_latency(self, steps: int) -> dict[str, list[float]]:
+        """Optional (for `make bench`): seconds per environment step through the upstream's own client
+        alone ("upstream_client") and through this adapter's path ("adapter"), same server, same step."""
+        return {}
+
 
 # --- probe -------------------------------------------------------------------------------------------
 
@@ -197,7 +202,7 @@ class BatchRunner:
 
 
 def adapter_main(backend: RolloutBackend, request: StageRequest) -> StageResult:
-    handlers = {"probe": _probe, "service": _service, "serve": _serve}
+    handlers = {"probe": _probe, "service": _service, "serve": _serve, "bench": _bench}
     if request.stage not in handlers:
         raise ValueError(f"{backend.stack} adapter has no stage {request.stage!r}; it has {', '.join(handlers)}")
     return handlers[request.stage](backend, request)
@@ -249,6 +254,50 @@ def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:
         "unattributed_calls": unattributed, "episode_id_channel": backend.episode_id_channel,
         "channels": sorted({call["channel"] for call in calls}), "seconds": response.seconds,
     })
+
+
+def _scripted_calc_batch(n: int, max_turns: int = 3) -> tuple[list[EpisodeSpec], dict[str, list[dict[str, Any]]]]:
+    """n calc-tool episodes whose scripted policy answers correctly after one tool call."""
+    family = get_family("calc-tool")
+    episodes, scripts = [], {}
+    for index, item in enumerate(family.generate("train", n, 1)):
+        case = family.scripted_cases(item)[0]
+        episode = EpisodeSpec(episode_id=f"bench/{index}", task_id=item.task_id, family=family.name,
+                              item=item.to_json(), seed=0, max_turns=max_turns)
+        episodes.append(episode)
+        scripts[episode.episode_id] = case["turns"]
+    return episodes, scripts
+
+
+def bench_backend(backend: RolloutBackend, *, episodes: int, steps: int) -> dict[str, Any]:
+    """Episodes/s with a scripted policy (so the figure is the environment's cost) at concurrency 1 and 4,
+    and the backend's per-step latency pair when it has one."""
+    batch, scripts = _scripted_calc_batch(episodes)
+    figures: dict[str, Any] = {"stack": backend.stack}
+    began = time.monotonic()
+    backend.start()
+    figures["start_s"] = round(time.monotonic() - began, 3)
+    try:
+        with ScriptedPolicyServer(scripts) as scripted:
+            runner = BatchRunner(backend)
+            for concurrency in (1, 4):
+                request = RolloutRequest(episodes=batch, policy_base_url=scripted.base_url, policy_model=scripted.model,
+                                         sampling=SamplingSpec(), concurrency=concurrency)
+                runner.run(msgspec.structs.replace(request, episodes=batch[:2]))  # warm-up: imports, connections
+                response = runner.run(request)
+                failed = [r.episode_id for r in response.results if r.status != "completed" or not r.success]
+                if failed:
+                    raise RuntimeError(f"scripted bench episodes failed: {failed[:3]}")
+                figures[f"episodes_per_s_concurrency_{concurrency}"] = round(len(batch) / response.seconds, 2)
+        figures["step_latency_s"] = backend.bench_step_latency(steps)
+    finally:
+        backend.stop()
+    return figures
+
+
+def _bench(backend: RolloutBackend, request: StageRequest) -> StageResult:
+    return StageResult(stage="bench", metrics=bench_backend(
+        backend, episodes=int(request.options.get("episodes", 64)), steps=int(request.options.get("steps", 500))))
 
 
 class RolloutService:

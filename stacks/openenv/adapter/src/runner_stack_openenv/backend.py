@@ -164,6 +164,37 @@ class OpenEnvBackend(RolloutBackend):
         with self._lock:
             self.server.stop()
 
+    def bench_step_latency(self, steps: int) -> dict[str, list[float]]:
+        """One calc-tool tool step, timed through upstream's GenericEnvClient and through our TaskEnvClient,
+        each on its own warmed-up session against the same server."""
+        from openenv.core.generic_client import GenericEnvClient
+
+        from .client import TaskEnvClient
+        from .models import TaskAction
+
+        family = get_family("calc-tool")
+        item = family.generate("train", 1, 1)[0]
+        arguments = {"ausdruck": item.reference["expression"]}
+
+        def timed(step) -> list[float]:
+            for _ in range(20):
+                step()
+            samples = []
+            for _ in range(steps):
+                began = time.perf_counter()
+                step()
+                samples.append(time.perf_counter() - began)
+            return samples
+
+        with GenericEnvClient(base_url=self.server.url).sync() as upstream:
+            upstream.reset(item=item.to_json(), episode_id="bench-upstream")
+            action = {"kind": "tool", "name": "rechner", "arguments": arguments}
+            upstream_samples = timed(lambda: upstream.step(action))
+        with TaskEnvClient(base_url=self.server.url).sync() as ours:
+            ours.reset(item=item.to_json(), episode_id="bench-adapter")
+            adapter_samples = timed(lambda: ours.step(TaskAction(kind="tool", name="rechner", arguments=arguments)))
+        return {"upstream_client": upstream_samples, "adapter": adapter_samples}
+
     # --- one episode -------------------------------------------------------------------------------------
 
     def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
