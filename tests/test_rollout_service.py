@@ -6,6 +6,7 @@ task server and the rollout service. No upstream stack is involved (those have t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -28,6 +29,8 @@ from runner_contracts import (
     Segment,
     Trajectory,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _scripted_batch(family_name: str, n: int = 2, max_turns: int = 6):
@@ -162,3 +165,17 @@ def test_call_audit_fails_on_unattributed_foreign_or_altered_tokens():
     assert not gates[0].passed and "other" in gates[0].detail
     gates, _ = call_gates([_call("e1", 0, [5, 6]), _call("e1", 1, [8])], trajectories)
     assert gates[0].passed and not gates[1].passed
+
+
+def test_comparison_refuses_arms_of_different_plans(tmp_path):
+    from runner._compare import write_comparison
+    from runner._errors import UserError
+    from runner._plan import load_plan
+    from runner_contracts import freeze_plan, write_record
+
+    plan = freeze_plan(load_plan(ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"))
+    other = freeze_plan(msgspec.structs.replace(plan, name="other", plan_id=None))
+    for arm, arm_plan in (("a", plan), ("b", other)):
+        write_record(tmp_path / "arms" / arm / "plan.json", arm_plan)
+    with pytest.raises(UserError, match="different plans"):
+        write_comparison(tmp_path, ["a", "b"])

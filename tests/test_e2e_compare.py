@@ -1,0 +1,70 @@
+"""`runner compare` end to end: the trl arm and every environment stack on the calc-tool CPU plan, each in
+its own real environment (pinned upstream packages), environment stacks driven by the same TRL trainer
+through the policy server. Slow: builds the environments on first use (cached by lock hash)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner_contracts import Evidence, read_record
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
+ARMS = ["trl", "nemo-gym", "openenv", "verifiers"]
+RUNNER = str(Path(sys.executable).parent / "runner")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def comparison(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("compare")
+    result = subprocess.run([RUNNER, "compare", "--stacks", ",".join(ARMS), "--plan", str(PLAN),
+                             "--run-dir", str(run_dir), "--json"], capture_output=True, text=True, timeout=5400)
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    return run_dir, json.loads(result.stdout), result
+
+
+def test_every_arm_passes_every_gate(comparison):
+    run_dir, data, result = comparison
+    failed = {arm["stack"]: arm["failed_gates"] for arm in data["arms"] if not arm["passed"]}
+    assert not failed and result.returncode == 0, failed
+    assert [arm["stack"] for arm in data["arms"]] == ARMS
+    assert (run_dir / "comparison.md").is_file() and (run_dir / "report.html").is_file()
+
+
+def test_arms_share_one_plan_and_one_policy(comparison):
+    run_dir, data, _ = comparison
+    plan_ids = {json.loads((run_dir / "arms" / arm / "plan.json").read_text())["plan_id"] for arm in ARMS}
+    assert plan_ids == {data["plan_id"]}
+    for arm in ARMS:
+        evidence = read_record(run_dir / "arms" / arm / "stages" / "train" / "evidence.json", Evidence)
+        assert evidence.plan_id == data["plan_id"]
+
+
+def test_environment_arms_capture_every_call_and_lose_no_episode(comparison):
+    _, data, _ = comparison
+    for arm in data["arms"]:
+        fidelity, crash = arm["trace_fidelity"], arm["recovery"]["injected_environment_crash"]
+        assert fidelity["trained_equals_sampled"] is True
+        if arm["stack"] == "trl":
+            assert fidelity["token_source"] == "trainer's own sampled ids" and crash["applicable"] is False
+            continue
+        assert fidelity["token_source"] == "policy server capture" and fidelity["policy_calls"] > 0
+        assert fidelity["unattributed_calls"] == 0
+        assert crash["faults_injected"] == 1 and crash["lost"] == 0 and crash["returned"] == crash["requested"]
+        assert arm["isolation"]["foreign_packages_absent"] is True
+
+
+def test_comparison_carries_the_figures(comparison):
+    _, data, _ = comparison
+    for arm in data["arms"]:
+        assert arm["time_to_first_reproducible_update_s"] > 0
+        assert arm["throughput"]["rollouts_per_s"] > 0 and arm["throughput"]["policy_tokens_per_s"] > 0
+        assert set(arm["evaluation"]) == {"heldout", "retention"}
+        assert arm["recovery"]["resume_passed"] is True
