@@ -73,6 +73,7 @@ def test_environment_crash_mid_batch_loses_no_episode():
             response = BatchRunner(backend).run(RolloutRequest(
                 episodes=episodes, policy_base_url=policy.base_url, sampling=SamplingSpec(), concurrency=3,
                 fault=FaultSpec(kill_environment_after_started=len(episodes) // 2)))
+            retry_ids = {c["episode_id"] for c in policy.calls if c["wire_id"].endswith("~attempt-2")}
     finally:
         backend.stop()
     assert response.faults_injected == 1 and response.environment_restarts >= 1
@@ -80,6 +81,7 @@ def test_environment_crash_mid_batch_loses_no_episode():
     retried = [r for r in response.results if r.attempts > 1]
     assert retried, "the crash hit no episode in flight"
     assert all(r.status == "completed" and r.success == expected[r.episode_id] for r in retried)
+    assert {r.episode_id for r in retried} <= retry_ids  # retries call the policy under their own attempt id
 
 
 def test_rollout_service_over_http_and_its_errors():

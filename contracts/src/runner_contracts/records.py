@@ -372,6 +372,7 @@ class PolicyCall(Record, kw_only=True):
     episode_id: str | None  # None = unattributable (an audit failure)
     channel: str  # how the episode id arrived: header | metadata | path | none
     endpoint: str
+    attempt: Annotated[int, msgspec.Meta(ge=1)] = 1  # the rollout service's attempt at the episode
     index_in_episode: NonNegInt
     policy_revision: str
     prompt_ids: list[TokenId]

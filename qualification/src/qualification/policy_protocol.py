@@ -23,6 +23,7 @@ CHAT_PATH = EPISODE_PREFIX + r"/v1/chat/completions"
 MODELS_PATH = EPISODE_PREFIX + r"/v1/models"
 GENERATE_PATH = EPISODE_PREFIX + r"/inference/v1/generate"
 EPISODE_HEADER = "X-Episode-ID"
+ATTEMPT_MARK = "~attempt-"  # a retried episode's id: "<episode id>~attempt-<n>", n >= 2
 
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
@@ -37,6 +38,19 @@ def episode_of(call: Call) -> tuple[str | None, str]:
     if isinstance(metadata, dict) and metadata.get("episode_id"):
         return str(metadata["episode_id"]), "metadata"
     return None, "none"
+
+
+def attempt_id(episode_id: str, attempt: int) -> str:
+    """The id a retried attempt uses on the wire, so its calls are told apart from the abandoned ones."""
+    return episode_id if attempt == 1 else f"{episode_id}{ATTEMPT_MARK}{attempt}"
+
+
+def split_attempt(wire_id: str) -> tuple[str, int]:
+    """(episode id, attempt) of an id as it arrived."""
+    base, mark, number = wire_id.rpartition(ATTEMPT_MARK)
+    if mark and number.isdigit():
+        return base, int(number)
+    return wire_id, 1
 
 
 def require_episode(call: Call) -> tuple[str, str]:

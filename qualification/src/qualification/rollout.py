@@ -49,7 +49,7 @@ from runner_contracts import (
 )
 
 from ._http import Call, HttpError, JsonServer, Reply
-from .policy_protocol import EPISODE_HEADER
+from .policy_protocol import EPISODE_HEADER, attempt_id
 from .scripted_policy import ScriptedPolicyServer
 from .tasks import get_family
 
@@ -177,8 +177,11 @@ class BatchRunner:
             try:
                 if attempt == 1:
                     on_start()
-                result = self.backend.run_episode(episode, policy)
-                return msgspec.structs.replace(result, attempts=attempt,
+                # A retry runs under its own wire id, so the policy server keeps its calls apart from the
+                # abandoned attempt's; the result is reported under the episode's id.
+                wire = msgspec.structs.replace(episode, episode_id=attempt_id(episode.episode_id, attempt))
+                result = self.backend.run_episode(wire, policy)
+                return msgspec.structs.replace(result, episode_id=episode.episode_id, attempts=attempt,
                                                seconds=round(time.monotonic() - began, 3))
             except EnvironmentDown as error:
                 errors.append(f"attempt {attempt}: {error}")

@@ -21,6 +21,7 @@ from .policy_protocol import (
     chat_completion,
     models_body,
     require_episode,
+    split_attempt,
     stream_chunks,
 )
 
@@ -52,10 +53,11 @@ class ScriptedPolicyServer:
         self._server.stop()
 
     def _chat(self, call: Call) -> Reply:
-        episode, channel = require_episode(call)
+        wire_id, channel = require_episode(call)
+        episode, _ = split_attempt(wire_id)
         body = call.body or {}
         with self._lock:
-            self.calls.append({"episode_id": episode, "channel": channel, "body": body})
+            self.calls.append({"episode_id": episode, "wire_id": wire_id, "channel": channel, "body": body})
         if episode not in self.scripts:
             raise HttpError(404, f"no script for episode {episode!r}")
         turn_index = sum(1 for message in body.get("messages", []) if message.get("role") == "assistant")

@@ -14,9 +14,14 @@ def call_gates(calls: list[PolicyCall], trajectories: list[Trajectory]) -> tuple
     unattributed = [c.call_id for c in calls if c.episode_id is None]
     foreign = sorted({c.episode_id for c in calls if c.episode_id is not None and c.episode_id not in episodes})
     by_episode: dict[str, list[PolicyCall]] = defaultdict(list)
+    last_attempt: dict[str, int] = {}
     for call in calls:
         if call.episode_id is not None:
+            last_attempt[call.episode_id] = max(call.attempt, last_attempt.get(call.episode_id, 1))
+    for call in calls:  # a trajectory holds the tokens of its episode's last attempt only
+        if call.episode_id is not None and call.attempt == last_attempt[call.episode_id]:
             by_episode[call.episode_id].append(call)
+    abandoned = sum(1 for call in calls if call.episode_id is not None and call.attempt < last_attempt[call.episode_id])
     mismatched = []
     for trajectory in trajectories:
         policy = [token for s in trajectory.segments if s.source == "policy" for token in s.token_ids]
@@ -40,5 +45,6 @@ def call_gates(calls: list[PolicyCall], trajectories: list[Trajectory]) -> tuple
                            "every trajectory's policy tokens are the policy server's sampled ids, in call order")),
     ]
     metrics = {"policy_calls": len(calls), "unattributed_calls": len(unattributed), "attribution_channels": channels,
-               "calls_per_episode": round(len(calls) / max(1, len(episodes)), 3)}
+               "calls_per_episode": round(len(calls) / max(1, len(episodes)), 3),
+               "calls_of_abandoned_attempts": abandoned}
     return gates, metrics

@@ -107,8 +107,10 @@ class Bridge:
         eos = trainer.processing_class.eos_token_id
         for episode, example in zip(episodes, inputs, strict=True):
             result = by_id[episode.episode_id]
-            row = chain_calls(self.server.calls_of(episode.episode_id))
-            if row is None:  # the episode never reached the policy: an empty, untrained completion
+            # Only the attempt that completed is trained; an episode given up on trains nothing.
+            row = (chain_calls(self.server.calls_of(episode.episode_id, result.attempts))
+                   if result.status == "completed" else None)
+            if row is None:  # failed, or never reached the policy: an empty, untrained completion
                 failed += 1
                 prompt = trainer.processing_class.apply_chat_template(example["prompt"], tokenize=True,
                                                                       add_generation_prompt=True, return_dict=False)

@@ -32,6 +32,7 @@ from qualification.policy_protocol import (
     episode_of,
     models_body,
     parse_tool_calls,
+    split_attempt,
     stream_chunks,
     token_logprobs,
 )
@@ -85,9 +86,10 @@ class PolicyServer:
         self._server.stop()
         self._writer.close() if ok else self._writer.abandon()
 
-    def calls_of(self, episode_id: str) -> list[PolicyCall]:
+    def calls_of(self, episode_id: str, attempt: int = 1) -> list[PolicyCall]:
+        """The calls of one attempt at an episode, in order."""
         with self._log_lock:
-            return [call for call in self.calls if call.episode_id == episode_id]
+            return [call for call in self.calls if call.episode_id == episode_id and call.attempt == attempt]
 
     # --- sampling --------------------------------------------------------------------------------------
 
@@ -123,8 +125,9 @@ class PolicyServer:
             self.model.train(was_training)
         return ids, logprobs, "length"
 
-    def _sample_logged(self, episode: str | None, channel: str, endpoint: str, prompt_ids: list[int],
+    def _sample_logged(self, wire_id: str, channel: str, endpoint: str, prompt_ids: list[int],
                        body: dict[str, Any], index: int) -> PolicyCall:
+        episode, attempt = split_attempt(wire_id)
         started = time.monotonic()
         with self._lock:
             ids, logprobs, finish = self.sample(
@@ -134,11 +137,11 @@ class PolicyServer:
                 temperature=float(body["temperature"]) if body.get("temperature") is not None else self.sampling.temperature,
                 top_p=float(body["top_p"]) if body.get("top_p") is not None else self.sampling.top_p,
                 top_k=int(body["top_k"]) if body.get("top_k") is not None else self.sampling.top_k,
-                seed=call_seed(self.sampling.seed, episode or "", index),
+                seed=call_seed(self.sampling.seed, episode, index),  # a retry re-samples what attempt 1 would
             )
             revision = self.revision
-        record = PolicyCall(call_id=f"{episode}#{index}", episode_id=episode, channel=channel, endpoint=endpoint,
-                            index_in_episode=index, policy_revision=revision, prompt_ids=prompt_ids,
+        record = PolicyCall(call_id=f"{wire_id}#{index}", episode_id=episode, channel=channel, endpoint=endpoint,
+                            attempt=attempt, index_in_episode=index, policy_revision=revision, prompt_ids=prompt_ids,
                             completion_ids=ids, logprobs=logprobs, finish_reason=finish,
                             seconds=round(time.monotonic() - started, 4))
         self._log(record)

@@ -1,0 +1,402 @@
+"""The rollout backend: NeMo Gym servers as local processes, one episode = one POST to simple_agent's /run.
+
+Processes (all on 127.0.0.1, started without NeMo Gym's launcher, which would start Ray on all interfaces
+and build a venv per server from PyPI):
+
+- a resources server per task family (`servers.FamilyResourcesServer`): the environment, the process
+  kill_environment() SIGKILLs;
+- a model server per policy endpoint (`servers.EpisodeVLLMModel`, vllm_model's Responses -> Chat
+  Completions path);
+- a stock `simple_agent` per (family, policy, max_turns): its `max_steps` is a server setting.
+
+Servers find each other the way NeMo Gym's launcher wires them: each process gets the global config dict
+in NEMO_GYM_CONFIG_DICT and its own instance name in NEMO_GYM_CONFIG_PATH; ServerClient resolves names to
+host:port from that dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import http.client
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qualification.policy_protocol import openai_tools
+from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
+from qualification.tasks import TaskItem, get_family
+from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
+
+HOST = "127.0.0.1"
+READY_TIMEOUT_S = 90.0
+EPISODE_TIMEOUT_S = 900.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def responses_tools(family_name: str) -> list[dict[str, Any]]:
+    """The family's tools as Responses API function tools, built from qualification's openai_tools;
+    vllm_model converts them back to exactly that chat form (`strict` is required by the Responses schema;
+    None is dropped in the conversion)."""
+    return [{"type": "function", **tool["function"], "strict": None} for tool in openai_tools(get_family(family_name))]
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class _Spawner:
+    """Starts child processes from one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that
+    forked a child ends, and episodes start servers lazily from short-lived worker threads."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name="nemo-gym-spawner", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            future, args, kwargs = self._jobs.get()
+            try:
+                future.set_result(subprocess.Popen(*args, preexec_fn=_die_with_parent, **kwargs))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                future.set_exception(error)
+
+    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:
+        future: Future = Future()
+        self._jobs.put((future, args, kwargs))
+        return future.result()
+
+
+@dataclass
+class Server:
+    """One NeMo Gym server process: its instance name, kind, type entry and port."""
+
+    name: str
+    kind: str  # resources | model | agent
+    server_type: str  # resources_servers | responses_api_models | responses_api_agents
+    impl: str  # the key under the type, as in NeMo Gym's yaml configs
+    settings: dict[str, Any]
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen | None = None
+    generation: int = 0  # bumped on every (re)start
+
+    def entry(self) -> dict[str, Any]:
+        return {self.server_type: {self.impl: {"entrypoint": "app.py", "host": HOST, "port": self.port,
+                                               **self.settings}}}
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class NemoGymBackend(RolloutBackend):
+    stack = "nemo-gym"
+    upstream_name = "nemo-gym"
+    capabilities = ["multi-turn-tools", "cpu", "reward:reference-scorer", "environment-restart",
+                    "episode-id:metadata", "episode-id:header"]
+    episode_id_channel = ("body metadata.episode_id (the /run request's responses_create_params.metadata, "
+                          "forwarded upstream by vllm_model) and header X-Episode-ID (added by the "
+                          "EpisodeVLLMModel subclass)")
+
+    def __init__(self, families: Iterable[str] = ()) -> None:
+        self.families = sorted(set(families))  # resources servers start() brings up; others start on first use
+        self._lock = threading.RLock()  # the server table
+        self._start_locks: dict[str, threading.Lock] = {}
+        self._servers: dict[str, Server] = {}
+        self._spawner: _Spawner | None = None
+        self._workdir: Path | None = None
+        self._head_port = 0
+
+    # --- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the resources servers of `families` and waits until they answer. The model server and
+        the agents depend on the policy endpoint and max_turns, so they start with the first episode that
+        needs them, as does the resources server of a family not named here."""
+        with self._lock:
+            if self._workdir is None:
+                self._workdir = Path(tempfile.mkdtemp(prefix="nemo-gym-"))
+                self._spawner = _Spawner()
+                # ServerClient validates a head-server entry; nothing listens there (no head server runs).
+                self._head_port = free_port()
+        self._bring_up([self._resources_server(family) for family in self.families])
+
+    def stop(self) -> None:
+        with self._lock:
+            servers = list(self._servers.values())
+            self._servers.clear()
+        for server in servers:
+            if server.alive():
+                server.process.terminate()
+        for server in servers:
+            if server.process is not None:
+                try:
+                    server.process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    server.process.kill()
+                    server.process.wait()
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+    def kill_environment(self) -> None:
+        """SIGKILLs every resources server started so far (the environment; agents and model servers
+        are the harness and stay up)."""
+        with self._lock:
+            targets = [s for s in self._servers.values() if s.kind == "resources" and s.alive()]
+        for server in targets:
+            server.process.send_signal(signal.SIGKILL)
+            server.process.wait()
+
+    def restart_environment(self) -> None:
+        """Restarts every dead resources server on its old port (agents keep their config); idempotent."""
+        with self._lock:
+            targets = [s for s in self._servers.values() if s.kind == "resources" and not s.alive()]
+        for server in targets:
+            with self._start_lock(server.name):
+                if not server.alive():
+                    self._spawn(server)
+                    self._wait_ready(server)
+
+    # --- servers -------------------------------------------------------------------------------------
+
+    def _start_lock(self, name: str) -> threading.Lock:
+        with self._lock:
+            return self._start_locks.setdefault(name, threading.Lock())
+
+    def _server(self, name: str, make: Any) -> Server:
+        with self._lock:
+            if name not in self._servers:
+                self._servers[name] = make()
+            return self._servers[name]
+
+    def _bring_up(self, servers: list[Server]) -> None:
+        """Starts the servers that are not running yet, all at once, and waits until each answers. A dead
+        harness server (model, agent) is started again; a dead resources server is the environment being
+        down, which restart_environment() handles. Locks are taken in list order (resources, model, agent)."""
+        with contextlib.ExitStack() as held:
+            for server in servers:
+                held.enter_context(self._start_lock(server.name))
+            started = []
+            for server in servers:
+                if server.alive():
+                    continue
+                if server.kind == "resources" and server.process is not None:
+                    raise EnvironmentDown(f"resources server {server.name} is down "
+                                          f"(exit {server.process.returncode})")
+                self._spawn(server)
+                started.append(server)
+            for server in started:
+                self._wait_ready(server)
+
+    def _config_for(self, *servers: Server) -> dict[str, Any]:
+        config: dict[str, Any] = {"head_server": {"host": HOST, "port": self._head_port}, "dry_run": False}
+        for server in servers:
+            config[server.name] = server.entry()
+        return config
+
+    def _spawn(self, server: Server) -> None:
+        """Starts `server` in its own process: NeMo Gym's run_webserver() with the injected global config."""
+        if self._workdir is None or self._spawner is None:
+            raise RuntimeError("start() was not called")
+        peers = [server]
+        if server.kind == "agent":
+            peers += [self._servers[server.settings["resources_server"]["name"]],
+                      self._servers[server.settings["model_server"]["name"]]]
+        env = dict(os.environ)
+        env["NEMO_GYM_CONFIG_DICT"] = json.dumps(self._config_for(*peers))
+        env["NEMO_GYM_CONFIG_PATH"] = server.name
+        with open(self._workdir / f"{server.name}.log", "ab") as log:
+            process = self._spawner.popen([sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind],
+                                          cwd=self._workdir, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                          stderr=subprocess.STDOUT)
+        with self._lock:
+            server.process = process
+            server.generation += 1
+
+    def _wait_ready(self, server: Server) -> None:
+        process = server.process
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                message = (f"NeMo Gym {server.kind} server {server.name} exited {process.returncode} while starting: "
+                           f"{self._log_tail(server)}")
+                if server.kind == "resources":  # e.g. killed by fault injection while it started
+                    raise EnvironmentDown(message)
+                raise RuntimeError(message)
+            try:
+                conn = http.client.HTTPConnection(HOST, server.port, timeout=2)
+                conn.request("GET", "/health")
+                ok = conn.getresponse().status == 200
+                conn.close()
+                if ok:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError(f"NeMo Gym {server.kind} server {server.name} did not answer /health in "
+                                   f"{READY_TIMEOUT_S:.0f} s: {self._log_tail(server)}")
+            time.sleep(0.1)
+
+    def _log_tail(self, server: Server, lines: int = 15) -> str:
+        try:
+            text = (self._workdir / f"{server.name}.log").read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return " | ".join(text.strip().splitlines()[-lines:])
+
+    def _resources_server(self, family: str) -> Server:
+        name = f"runner_resources_{family.replace('-', '_')}"
+        return self._server(name, lambda: Server(name, "resources", "resources_servers", "runner_family",
+                                                 {"family": family}))
+
+    def _servers_for(self, family: str, policy: PolicyEndpoint, max_turns: int) -> tuple[Server, Server, Server]:
+        """(resources, model, agent) for an episode: a resources server per family, a model server per
+        policy endpoint, an agent per (family, policy, max_turns) since max_steps is an agent setting."""
+        key = family.replace("-", "_")
+        resources = self._resources_server(family)
+        with self._lock:
+            match = [s for s in self._servers.values() if s.kind == "model"
+                     and s.settings["base_url"] == policy.base_url and s.settings["model"] == policy.model]
+            index = int(match[0].name.rsplit("_", 1)[1]) if match else sum(s.kind == "model"
+                                                                           for s in self._servers.values())
+        model = self._server(f"runner_policy_{index}", lambda: Server(
+            f"runner_policy_{index}", "model", "responses_api_models", "vllm_model", {
+                "base_url": policy.base_url, "api_key": "none", "model": policy.model,
+                # The policy server logs token ids and logprobs of every call; asking vllm_model to echo them
+                # too would require every endpoint (the scripted one included) to return them.
+                "return_token_id_information": False,
+                "uses_reasoning_parser": False,
+            }))
+        name = f"runner_agent_{key}_{index}_t{max_turns}"
+        agent = self._server(name, lambda: Server(name, "agent", "responses_api_agents", "simple_agent", {
+            "resources_server": {"type": "resources_servers", "name": resources.name},
+            "model_server": {"type": "responses_api_models", "name": model.name},
+            "max_steps": max_turns,
+        }))
+        self._bring_up([resources, model, agent])
+        return resources, model, agent
+
+    # --- episodes ------------------------------------------------------------------------------------
+
+    def run_request(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> dict[str, Any]:
+        """The simple_agent /run body for one episode."""
+        family = get_family(episode.family)
+        item = TaskItem.from_json(episode.item)
+        sampling = policy.sampling
+        extra_body: dict[str, Any] = {"seed": episode.seed}
+        if sampling.top_k > 0:
+            extra_body["top_k"] = sampling.top_k
+        params: dict[str, Any] = {
+            "input": [{"role": "system", "content": family.system_prompt},
+                      {"role": "user", "content": item.question}],
+            "model": policy.model,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_output_tokens": sampling.max_new_tokens,
+            # Responses metadata (string values) reaches the policy as body `metadata`; vllm_model merges the
+            # JSON in `extra_body` into the chat request (sampling fields the Responses API has no name for).
+            "metadata": {"episode_id": episode.episode_id, "extra_body": json.dumps(extra_body)},
+        }
+        tools = responses_tools(episode.family)
+        if tools:
+            params["tools"] = tools
+        return {"responses_create_params": params,
+                "_ng_rollout_id": f"runner-{uuid.uuid4().hex}",  # unique per /run (NeMo Gym's ids restart at 0)
+                "episode_id": episode.episode_id, "task_item": episode.item}
+
+    def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
+        started = time.monotonic()
+        if self._workdir is None:
+            self.start()
+        resources, _, agent = self._servers_for(episode.family, policy, episode.max_turns)
+        generation = resources.generation
+
+        def environment_problem() -> str | None:
+            if not resources.alive():
+                return f"resources server {resources.name} died during the episode"
+            if resources.generation != generation:
+                return f"resources server {resources.name} restarted during the episode"
+            return None
+
+        status, raw = _post_watched(agent.port, "/run", self.run_request(episode, policy), environment_problem,
+                                    EPISODE_TIMEOUT_S)
+        text = raw.decode(errors="replace")
+        if status != 200:
+            # A 200 is always whole: the session lives from /seed_session to /verify on one resources server
+            # process, and a restarted one answers 409 "unknown session" for it.
+            problem = environment_problem()
+            if problem:
+                raise EnvironmentDown(problem)
+            if "unknown session" in text:
+                raise EnvironmentDown(f"resources server {resources.name} lost the episode's session: {text[:300]}")
+            raise RuntimeError(f"simple_agent /run answered HTTP {status}: {text[:500]}")
+        body = json.loads(text)
+        if body.get("mask_sample"):
+            raise RuntimeError(f"verify flagged the episode: {body.get('failure_reason')}")
+        return EpisodeResult(
+            episode_id=episode.episode_id, task_id=episode.task_id, status="completed",
+            reward=float(body["reward"]), reward_components={k: float(v) for k, v in body["reward_components"].items()},
+            success=bool(body["success"]), outcome=body["outcome"], finish_reason=body["finish_reason"],
+            turns=int(body["turns"]), final_text=body["final_text"],
+            tool_calls=[ToolCallRecord(name=c["name"], arguments=c["arguments"], result=c["result"])
+                        for c in body["tool_calls"]],
+            seconds=round(time.monotonic() - started, 3),
+        )
+
+
+def _post_watched(port: int, path: str, payload: dict[str, Any], problem: Any, timeout_s: float) -> tuple[int, bytes]:
+    """POSTs JSON to 127.0.0.1:port and waits for the answer while `problem()` stays None; otherwise closes
+    the connection (simple_agent cancels the request when its client goes away: its calls to a dead
+    resources server would retry forever) and raises EnvironmentDown."""
+    conn = http.client.HTTPConnection(HOST, port, timeout=timeout_s)
+    outcome: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            conn.request("POST", path, body=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            outcome["reply"] = (response.status, response.read())
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=work, name="nemo-gym-run", daemon=True)
+    worker.start()
+    deadline = time.monotonic() + timeout_s
+    while worker.is_alive():
+        worker.join(0.05)
+        why = problem()
+        timed_out = why is None and time.monotonic() > deadline
+        if (why is not None or timed_out) and worker.is_alive():
+            with contextlib.suppress(OSError):
+                if conn.sock is not None:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+            conn.close()
+            worker.join(2)
+            if timed_out:
+                raise TimeoutError(f"no answer from simple_agent {path} in {timeout_s:.0f} s")
+            raise EnvironmentDown(why)
+    conn.close()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["reply"]
