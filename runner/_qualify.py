@@ -157,6 +157,10 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
                            out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir), steps=steps,
                            resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
     outcome = arm.engine.run(env, request, timeout_s=arm.plan.budget.wall_clock_s, kill_when=kill_when)
+    if not outcome.ok and not in_stack_env:
+        # A trainer that died mid-batch leaves the rollout service working for a dead policy server
+        # (some upstreams retry a refused connection forever): the next job gets a fresh service.
+        arm.close()
     result = None
     if (out_dir / "result.json").is_file():
         try:

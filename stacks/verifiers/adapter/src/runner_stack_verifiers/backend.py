@@ -1,0 +1,336 @@
+"""The verifiers rollout backend: episodes run natively by verifiers' env server (a subprocess we start),
+driven through its own ZMQ EnvClient, the way prime-rl's trainer drives it.
+
+Per episode the env server runs one rollout of SingleAgentEnv: the null harness's chat program (a
+subprocess) talks to verifiers' interception server, which calls the policy through the episode's
+client; the family's MCP tool server (a subprocess) runs the tools; the task's @vf.reward calls the
+reference scorer. The client config is per episode: its base URL names the episode
+(http://127.0.0.1:PORT/episodes/<id>/v1), TrainClient (token-in/token-out with the policy's local
+tokenizer) when the endpoint has a tokenizer_dir, EvalClient (relay to /v1/chat/completions) otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runner_contracts import EpisodeResult, EpisodeSpec, ErrorInfo, ToolCallRecord
+
+from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
+from qualification.tasks import TaskItem
+
+READY_TIMEOUT_S = 180.0
+POLL_S = 0.2
+# Verifiers' interception server keeps one model client per distinct client config until it stops (~0.85 MB
+# each), and the config is per episode (its base URL names the episode), so the env server is replaced
+# once it has served this many episodes, at a moment no episode is in flight.
+RECYCLE_AFTER_EPISODES = 500
+# Trace errors that mean the environment (not the policy or the episode) failed; the episode is retried.
+ENVIRONMENT_ERRORS = {"ToolsetError", "SandboxError"}
+
+
+@dataclass
+class _EnvServer:
+    """One started env-server process and the EnvClient connected to it."""
+
+    process: subprocess.Popen
+    address: str
+    client: Any  # verifiers.v1.serve.client.EnvClient, owned by the backend's event loop
+    served: int = 0
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+class VerifiersBackend(RolloutBackend):
+    stack = "verifiers"
+    upstream_name = "verifiers"
+    capabilities = ["multi-turn-tools", "stateful-tools", "mcp-tools", "concurrent-episodes", "environment-restart",
+                    "cpu", "reward:reference-scorer", "token-capture:policy-server", "token-in-token-out",
+                    "episode-id:path"]
+    episode_id_channel = ("path: per-episode client base URL http://127.0.0.1:PORT/episodes/<id>/v1 "
+                          "(TrainClient posts /episodes/<id>/inference/v1/generate after GET /episodes/<id>/v1/models; "
+                          "EvalClient posts /episodes/<id>/v1/chat/completions); every call also carries "
+                          "verifiers' X-Session-ID = its trace id")
+
+    def __init__(self, max_concurrent: int | None = None, log_dir: str | Path | None = None,
+                 recycle_after: int = RECYCLE_AFTER_EPISODES) -> None:
+        self.max_concurrent = max_concurrent
+        self.recycle_after = recycle_after
+        self._in_flight = 0
+        self.log_dir = Path(log_dir) if log_dir is not None else Path.cwd()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: _EnvServer | None = None
+        self._lock = threading.Lock()
+        self._work: Path | None = None
+        self.starts = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._work is None:
+            self._work = Path(tempfile.mkdtemp(prefix="vf-backend-"))
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers-client", daemon=True)
+            self._thread.start()
+        with self._lock:
+            if self._server is None or not self._server.alive():
+                self._server = self._spawn()
+
+    def restart_environment(self) -> None:
+        with self._lock:
+            if self._server is not None and self._server.alive():
+                return
+            old, self._server = self._server, None
+            if old is not None:
+                self._close_client(old)
+            self._server = self._spawn()
+
+    def kill_environment(self) -> None:
+        """SIGKILLs the env server and every process it started (rollout harness programs, MCP tool servers)."""
+        server = self._server
+        if server is not None:
+            _kill_tree(server.process.pid)
+            server.process.wait()
+
+    def stop(self) -> None:
+        with self._lock:
+            server, self._server = self._server, None
+        if server is not None:
+            self._retire(server)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
+            self._loop.close()
+            self._loop, self._thread = None, None
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None
+
+    def _retire(self, server: _EnvServer) -> None:
+        tree = _tree(server.process.pid)  # before it exits: the rollout processes it started
+        if server.alive():
+            server.process.terminate()  # verifiers turns SIGTERM into a clean serving() teardown
+            try:
+                server.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        _kill(tree)  # whatever outlived the teardown (identities checked, so a reused pid is left alone)
+        server.process.wait()
+        self._close_client(server)
+
+    def _spawn(self) -> _EnvServer:
+        self.starts += 1
+        ready = self._work / f"envserver-{self.starts}.address"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / "verifiers-envserver.log", "ab")
+        cmd = [sys.executable, "-m", "runner_stack_verifiers.envserver", str(ready)]
+        if self.max_concurrent:
+            cmd.append(str(self.max_concurrent))
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "UV_OFFLINE": "1",
+               "PYTHONUNBUFFERED": "1"}
+
+        async def popen() -> subprocess.Popen:
+            # From the long-lived loop thread: the server's parent-death signal fires when the spawning
+            # *thread* exits, and episode threads (which restart the server) come and go with each batch.
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+
+        try:
+            process = self._call(popen(), timeout=60)
+        finally:
+            log.close()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.is_file():
+            if process.poll() is not None or time.monotonic() > deadline:
+                _kill_tree(process.pid)
+                raise RuntimeError(f"verifiers env server did not start (exit {process.poll()}); "
+                                   f"see {self.log_dir / 'verifiers-envserver.log'}")
+            time.sleep(0.05)
+        address = ready.read_text().strip()
+        client = self._call(self._connect(address), timeout=60)
+        return _EnvServer(process=process, address=address, client=client)
+
+    async def _connect(self, address: str):
+        from verifiers.v1.serve.client import EnvClient
+
+        client = EnvClient(address)
+        await client.wait_for_server_startup(timeout=60, interval=0.2)
+        return client
+
+    def _close_client(self, server: _EnvServer) -> None:
+        if self._loop is not None and self._loop.is_running():
+            with contextlib.suppress(Exception):
+                self._call(server.client.close(), timeout=10)
+
+    def _call(self, coroutine, timeout: float | None = None):
+        assert self._loop is not None, "start() first"
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    # --- episodes ----------------------------------------------------------------------------------
+
+    def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
+        with self._lock:
+            server = self._server
+            if server is not None and server.alive() and server.served >= self.recycle_after and not self._in_flight:
+                self._server = None
+                self._retire(server)
+                server = self._server = self._spawn()
+            if server is None or not server.alive():
+                raise EnvironmentDown("the verifiers env server is not running")
+            server.served += 1
+            self._in_flight += 1
+        try:
+            started = time.monotonic()
+            wire = self._call(self._run(server, episode, policy))
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+        environment_errors = [e for trace in wire.traces for e in trace.errors if e.type in ENVIRONMENT_ERRORS]
+        if environment_errors:  # the rollout's tool server or runtime failed: retryable, like a dead env server
+            raise EnvironmentDown("; ".join(f"{e.type}: {e.message}" for e in environment_errors)[:2000])
+        return episode_result(episode, wire, seconds=time.monotonic() - started)
+
+    async def _run(self, server: _EnvServer, episode: EpisodeSpec, policy: PolicyEndpoint):
+        from .taskset import task_for
+
+        item = TaskItem.from_json(episode.item)
+        task = task_for(item, episode.max_turns, episode_id=episode.episode_id)
+        run = asyncio.ensure_future(server.client.run(
+            client=client_config(policy, episode.episode_id), model=policy.model,
+            sampling=sampling_config(policy, episode), task_data=task.data.model_dump(mode="json")))
+        while True:
+            done, _ = await asyncio.wait({run}, timeout=POLL_S)
+            if done:
+                break
+            if not server.alive():
+                run.cancel()
+                raise EnvironmentDown(f"verifiers env server (pid {server.process.pid}) exited with "
+                                      f"{server.process.returncode} during episode {episode.episode_id}")
+        try:
+            return run.result()
+        except RuntimeError as error:  # the env server answered the request with a failure
+            if not server.alive():
+                raise EnvironmentDown(f"verifiers env server died: {error}") from None
+            raise
+
+
+def client_config(policy: PolicyEndpoint, episode_id: str):
+    """The episode's model client: its base URL names the episode (the policy server's path channel)."""
+    import verifiers.v1 as vf
+    from renderers.configs import CustomRendererConfig
+
+    from .renderer import IMPORT_PATH
+
+    base_url = policy.episode_base_url(episode_id)
+    # api_key_var names an unset variable: the key is "EMPTY" and no hosted-service credential is read.
+    common = {"base_url": base_url, "api_key_var": "RUNNER_POLICY_API_KEY",
+              "headers": {"Connection": "close"}}
+    if policy.tokenizer_dir:
+        return vf.TrainClientConfig(**common, renderer=CustomRendererConfig(import_path=IMPORT_PATH),
+                                    renderer_model_name=policy.tokenizer_dir)
+    return vf.EvalClientConfig(**common)
+
+
+def sampling_config(policy: PolicyEndpoint, episode: EpisodeSpec):
+    import verifiers.v1 as vf
+
+    spec = policy.sampling
+    extra: dict[str, Any] = {"seed": episode.seed}
+    if spec.top_k:
+        extra["top_k"] = spec.top_k
+    return vf.SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_new_tokens, **extra)
+
+
+def episode_result(episode: EpisodeSpec, wire, seconds: float) -> EpisodeResult:
+    """An EpisodeResult from verifiers' episode record (its one trace): reward and components as the task's
+    @vf.reward / @vf.metric recorded them, tool calls with the results the harness fed back."""
+    from .taskset import tool_calls_of
+
+    if not wire.traces:
+        message = "; ".join(f"{e.type}: {e.message}" for e in wire.errors) or "no trace"
+        return EpisodeResult(episode_id=episode.episode_id, task_id=episode.task_id, status="failed",
+                             outcome="error", error=ErrorInfo(kind="verifiers-episode", message=message),
+                             seconds=round(seconds, 3))
+    trace = wire.traces[0]
+    calls, final_text = tool_calls_of(trace, trace.info.get("executed_tool_calls"))
+    reward = trace.rewards.get("reference")
+    components = {key.removeprefix("component/"): float(value) for key, value in trace.metrics.items()
+                  if key.startswith("component/") and value is not None}
+    success = bool(trace.metrics.get("success"))
+    truncated = trace.stop_condition in ("turn_limit", "max_turns")
+    last_finish = trace.calls[-1].finish_reason if trace.calls else None
+    finish = "max_turns" if truncated else (last_finish or "stop")
+    errors = [*wire.errors, *trace.errors]
+    tool_calls = [ToolCallRecord(name=c["name"], arguments=c["arguments"], result=c["result"]) for c in calls]
+    if errors or reward is None:
+        message = "; ".join(f"{e.type}: {e.message}" for e in errors) or "the reference reward was not recorded"
+        return EpisodeResult(episode_id=episode.episode_id, task_id=episode.task_id, status="failed",
+                             outcome="error", finish_reason=finish, turns=trace.num_turns, final_text=final_text,
+                             tool_calls=tool_calls, error=ErrorInfo(kind=errors[0].type if errors else "no-reward",
+                                                                    message=message[:2000]),
+                             seconds=round(seconds, 3))
+    outcome = "success" if success else ("truncated" if truncated or last_finish == "length" else "failure")
+    return EpisodeResult(episode_id=episode.episode_id, task_id=episode.task_id, status="completed",
+                         reward=float(reward.score), reward_components=components, success=success, outcome=outcome,
+                         finish_reason=finish, turns=trace.num_turns, final_text=final_text, tool_calls=tool_calls,
+                         seconds=round(seconds, 3))
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process we can see."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            table[int(entry)] = (int(fields[1]), fields[19])
+    return table
+
+
+def _tree(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of `pid` and all its descendants; the start time pins the identity against pid reuse."""
+    table = _processes()
+    if pid not in table:
+        return []
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in table.items():
+        children.setdefault(parent, []).append(child)
+    found, queue = [(pid, table[pid][1])], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append((child, table[child][1]))
+            queue.append(child)
+    return found
+
+
+def _kill(processes: list[tuple[int, str]]) -> None:
+    """SIGKILL each (pid, start time) still alive as that same process."""
+    for pid, start in processes:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19] != start:
+                continue
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, IndexError):
+            continue
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and its descendants (collected first: killed children are re-parented)."""
+    _kill(_tree(pid))

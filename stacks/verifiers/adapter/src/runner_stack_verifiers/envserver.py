@@ -1,0 +1,115 @@
+"""The environment server: verifiers' own EnvServer (ZMQ, the process prime-rl's trainer talks to) hosting
+a SingleAgentEnv over our taskset, with the built-in `null` harness in the `subprocess` runtime.
+
+Run as `python -m runner_stack_verifiers.envserver READY_FILE [MAX_CONCURRENT]`: it binds
+tcp://127.0.0.1 on a free port and writes the bound address to READY_FILE; it answers verifiers' health
+request once the env serves, and runs until SIGTERM (or its parent's death). Serving starts the taskset's MCP
+tool server (runner_stack_verifiers.toolset, shared by all rollouts) and the chat program's fork server
+(runner_stack_verifiers.prefork); each rollout runs the null harness's chat program as its own subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hashlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+TASKSET_ID = "runner_stack_verifiers"
+
+
+def env_config(max_concurrent_agents: int = 1):
+    import verifiers.v1 as vf
+    from verifiers.v1.interception import InterceptionServerConfig
+
+    return vf.SingleAgentEnvConfig(
+        taskset={"id": TASKSET_ID},
+        agent=vf.AgentConfig(harness={"id": "null"}, runtime=vf.SubprocessConfig()),
+        # One local interception server (no tunnel); the default elastic pool asks for prime tunnels when it grows.
+        interception=InterceptionServerConfig(),
+        max_concurrent_agents=max_concurrent_agents,
+    )
+
+
+def use_environment_python_for_chat_program(interpreter: str = sys.executable) -> Path:
+    """Points the subprocess runtime's PEP 723 script cache at this environment's interpreter (or the
+    prefork launcher, which forks it pre-imported) for the null harness's chat program, so no
+    `uv sync --script` (network) runs: the program's dependencies (openai, mcp==2.0.0, httpx, httpx2,
+    tenacity, certifi) are pinned in the stack lock already. Writes the script where the runtime would and
+    returns its path."""
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+
+    data = CHAT_PROGRAM_SOURCE.encode()
+    path = Path(SubprocessRuntime.scripts_dir) / f"{hashlib.sha256(data).hexdigest()}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.is_file() or path.read_bytes() != data:
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    SubprocessRuntime._interpreters[str(path)] = interpreter
+    return path
+
+
+def start_prefork(directory: Path, script: Path) -> tuple[subprocess.Popen, Path] | None:
+    """Starts the chat program's fork server (a child of this process) and writes its launcher; None when
+    disabled (RUNNER_VF_PREFORK=0) or when no socket path fits."""
+    from .prefork import write_launcher
+
+    if os.environ.get("RUNNER_VF_PREFORK", "1") == "0":
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    socket_path = directory / "sock"
+    if len(str(socket_path)) > 100:  # AF_UNIX paths are limited to 108 bytes
+        return None
+    launcher = write_launcher(directory, str(socket_path))
+    process = subprocess.Popen([sys.executable, "-m", "runner_stack_verifiers.prefork", str(socket_path), str(script)],
+                               stdin=subprocess.DEVNULL)
+    return process, launcher
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str]) -> int:
+    from verifiers.v1.serve.pool import _arm_teardown
+    from verifiers.v1.serve.server import EnvServer
+
+    ready = Path(argv[0])
+    max_concurrent = int(argv[1]) if len(argv) > 1 else None
+    _die_with_parent()
+    _arm_teardown()  # SIGTERM -> KeyboardInterrupt, so serving() tears down the rollouts' subprocesses
+    logging.basicConfig(level=os.environ.get("RUNNER_VF_LOG", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    script = use_environment_python_for_chat_program()
+    prefork = start_prefork(ready.parent / f"prefork-{os.getpid()}", script)
+    if prefork is not None:
+        use_environment_python_for_chat_program(str(prefork[1]))
+    server = EnvServer(env_config(), address="tcp://127.0.0.1:0", max_concurrent=max_concurrent)
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.run())
+        await asyncio.sleep(0)
+        tmp = ready.with_suffix(".tmp")
+        tmp.write_text(server.address)
+        tmp.replace(ready)
+        await task
+
+    try:
+        asyncio.run(serve())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,11 @@
+"""Adapter entry point: `runner_stack_verifiers.main:run`."""
+
+from __future__ import annotations
+
+from qualification.rollout import adapter_main
+
+
+def run(request):
+    from .backend import VerifiersBackend
+
+    return adapter_main(VerifiersBackend(), request)

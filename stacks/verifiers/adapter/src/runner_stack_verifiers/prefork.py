@@ -1,0 +1,295 @@
+"""A fork server for the null harness's chat program, so a rollout does not pay a Python start and the
+import of openai, httpx and the MCP client (~1 s of CPU) before its first model call.
+
+The env server starts it once (`python -m runner_stack_verifiers.prefork SOCKET SCRIPT`): it compiles the
+chat program, imports what the program imports, and forks one child per request. The subprocess runtime
+still runs the program per rollout as before, `sh -c '... exec "$@"' uv-script VENV INTERPRETER SCRIPT ARGS`,
+only INTERPRETER is the launcher this module writes (`<dir>/bin/python`, a `python -S` script): it hands
+its argv, working directory, environment and stdio descriptors to the fork server and exits with the
+child's status. The child runs the unchanged program as `__main__` with exactly those. When the launcher
+dies (the runtime SIGKILLs its process group on cancellation) the fork server SIGKILLs the child's group; the
+child dies with the fork server, which dies with the env server. When the fork server cannot be reached,
+the launcher execs the real interpreter (a plain start, as without the fork server).
+"""
+
+from __future__ import annotations
+
+import array
+import atexit
+import ctypes
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import traceback
+import types
+from pathlib import Path
+
+log = logging.getLogger("runner_stack_verifiers.prefork")
+
+# Imported by the chat program lazily (MCP) or at its top: imported once here, before any fork.
+WARM_MODULES = ["openai", "httpx", "certifi", "tenacity", "anyio", "httpx2", "mcp", "mcp.client.streamable_http",
+                "openai.lib.streaming.chat", "asyncio", "argparse"]
+HEADER = struct.Struct("!Q")
+
+LAUNCHER = r'''#!{python} -SE
+# Written by runner_stack_verifiers.prefork: runs a script in a child of the fork server at {socket!r}.
+import array, json, os, socket, struct, sys
+SOCKET, PYTHON = {socket!r}, {python!r}
+def plain():
+    os.execv(PYTHON, [PYTHON, *sys.argv[1:]])
+try:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(SOCKET)
+    payload = json.dumps({{"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}}).encode()
+    conn.sendmsg([struct.pack("!Q", len(payload))],
+                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    conn.sendall(payload)
+except OSError:
+    plain()
+status = b""
+while len(status) < 4:
+    try:
+        chunk = conn.recv(4 - len(status))
+    except InterruptedError:
+        continue
+    except OSError:
+        chunk = b""
+    if not chunk:
+        break
+    status += chunk
+if len(status) < 4:
+    sys.stderr.write("prefork: the fork server went away before the program finished\n")
+    sys.exit(1)
+sys.exit(struct.unpack("!i", status)[0])
+'''
+
+
+def write_launcher(directory: Path, socket_path: str, python: str = sys.executable) -> Path:
+    """`<directory>/bin/python`: the runtime derives VIRTUAL_ENV and PATH from the interpreter's location."""
+    launcher = directory / "bin" / "python"
+    launcher.parent.mkdir(parents=True, exist_ok=True)
+    launcher.write_text(LAUNCHER.format(python=python, socket=socket_path))
+    launcher.chmod(0o755)
+    return launcher
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _warm(script: str) -> types.CodeType:
+    code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
+    for name in WARM_MODULES:
+        try:
+            __import__(name)
+        except Exception:  # noqa: BLE001 - a module the program does not need here is simply not warmed
+            log.warning("prefork: could not import %s", name, exc_info=True)
+    # The program's own top level (its imports, class and function definitions), not its entry point.
+    warm = types.ModuleType("__prefork_warm__")
+    warm.__file__ = script
+    sys.modules[warm.__name__] = warm
+    try:
+        exec(code, warm.__dict__)
+    except Exception:  # noqa: BLE001
+        log.warning("prefork: warming %s failed", script, exc_info=True)
+    finally:
+        sys.modules.pop(warm.__name__, None)
+    try:  # what openai's platform headers ask for (`uname -p` in a subprocess otherwise)
+        import platform
+
+        platform.platform(), platform.processor(), platform.machine()
+    except Exception:  # noqa: BLE001
+        pass
+    return code
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    fds = array.array("i")
+    data, ancillary, _, _ = conn.recvmsg(HEADER.size, socket.CMSG_LEN(3 * fds.itemsize))
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if len(data) != HEADER.size or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("malformed prefork request")
+    (size,) = HEADER.unpack(data)
+    body = bytearray()
+    while len(body) < size:
+        chunk = conn.recv(min(1 << 20, size - len(body)))
+        if not chunk:
+            raise ValueError("truncated prefork request")
+        body += chunk
+    return json.loads(body), list(fds)
+
+
+def _child(request: dict, fds: list[int], code: types.CodeType, script: str, launcher_bin: str) -> None:
+    """In the forked child: become the program (never returns)."""
+    status = 1
+    try:
+        os.setsid()
+        _die_with_parent()
+        for number, fd in enumerate(fds):
+            os.dup2(fd, number)
+            os.close(fd)
+        argv, env = request["argv"], dict(request["env"])
+        # The runtime pointed VIRTUAL_ENV/PATH at the launcher's directory: point them at the real environment.
+        real_bin = str(Path(sys.executable).parent)
+        if env.get("VIRTUAL_ENV") == str(Path(launcher_bin).parent):
+            env["VIRTUAL_ENV"] = str(Path(real_bin).parent)
+        env["PATH"] = os.pathsep.join(real_bin if part == launcher_bin else part
+                                      for part in env.get("PATH", "").split(os.pathsep))
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(request["cwd"])
+        if not argv or os.path.realpath(argv[0]) != os.path.realpath(script):
+            raise SystemExit(f"prefork: this fork server runs {script}, not {argv[:1]}")
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        main = types.ModuleType("__main__")
+        main.__file__ = argv[0]
+        sys.modules["__main__"] = main
+        try:
+            exec(code, main.__dict__)
+            status = 0
+        except SystemExit as stop:
+            if stop.code is None:
+                status = 0
+            elif isinstance(stop.code, int):
+                status = stop.code
+            else:
+                print(stop.code, file=sys.stderr)
+                status = 1
+        except BaseException:  # noqa: BLE001 - what the interpreter prints for an uncaught exception
+            traceback.print_exc()
+            status = 1
+        try:
+            atexit._run_exitfuncs()
+            logging.shutdown()
+        except BaseException:  # noqa: BLE001
+            pass
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:  # noqa: BLE001
+                pass
+        os._exit(status & 0xFF)
+
+
+def serve(socket_path: str, script: str) -> None:
+    _die_with_parent()
+    launcher_bin = str(Path(socket_path).parent / "bin")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(256)  # launchers queue here while the imports below run
+    code = _warm(script)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_r, selectors.EVENT_READ, "wake")
+    children: dict[int, socket.socket | None] = {}  # child pid -> its launcher's connection (None once gone)
+    log.info("prefork: serving %s on %s", script, socket_path)
+
+    def reap() -> None:
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = children.pop(pid, None)
+            if conn is not None:
+                code_ = os.waitstatus_to_exitcode(status)
+                try:
+                    conn.sendall(struct.pack("!i", code_ if code_ >= 0 else 128 - code_))
+                except OSError:
+                    pass
+                selector.unregister(conn)
+                conn.close()
+
+    while True:
+        for key, _ in selector.select():
+            if key.data == "wake":
+                try:
+                    while os.read(wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+                reap()
+            elif key.data == "accept":
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    continue
+                try:
+                    conn.settimeout(10)
+                    request, fds = _receive(conn)
+                except (OSError, ValueError) as error:
+                    log.warning("prefork: bad request: %s", error)
+                    conn.close()
+                    continue
+                for stream in (sys.stdout, sys.stderr):
+                    stream.flush()
+                pid = os.fork()
+                if pid == 0:
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                    selector.close()
+                    for fd in (wake_r, wake_w, listener.fileno(), conn.fileno(),
+                               *(c.fileno() for c in children.values() if c is not None)):
+                        try:
+                            os.close(fd)
+                        except OSError:
+                            pass
+                    _child(request, fds, code, script, launcher_bin)
+                for fd in fds:
+                    os.close(fd)
+                children[pid] = conn
+                selector.register(conn, selectors.EVENT_READ, pid)
+            else:  # a launcher's connection: readable only when it went away
+                pid, conn = key.data, key.fileobj
+                try:
+                    gone = conn.recv(1) == b""
+                except OSError:
+                    gone = True
+                if gone:
+                    selector.unregister(conn)
+                    conn.close()
+                    if children.get(pid) is conn:
+                        children[pid] = None
+                        for kill in (os.killpg, os.kill):  # its group; itself, should it not lead one yet
+                            try:
+                                kill(pid, signal.SIGKILL)
+                            except OSError:
+                                pass
+                reap()
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=os.environ.get("RUNNER_VF_LOG", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(argv[0], argv[1])
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
