@@ -13,12 +13,17 @@ from ._html import render as render_html
 from ._report import load_run, summary
 
 ISOLATION = {
-    "local": "none (host network and filesystem shared; scrubbed environment, HOME per stage)",
+    "local": "none (local engine: host network and filesystem)",
 }
 
 
 def _metrics(evidence: list[Evidence], stage: str) -> dict[str, Any]:
     return next((e.metrics for e in evidence if e.stage == stage), {})
+
+
+def _final_weights(evidence: list[Evidence]) -> str | None:
+    train = next((e for e in evidence if e.stage == "train"), None)
+    return max(train.checkpoints, key=lambda c: c.step).sha256 if train and train.checkpoints else None
 
 
 def _gate(evidence: list[Evidence], name: str) -> bool | None:
@@ -63,9 +68,10 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
             "foreign_packages_absent": _gate(evidence, "probe:no-foreign-packages"),
         },
         "time_to_first_reproducible_update_s": data.get("time_to_first_reproducible_update_s"),
-        "throughput": {"rollouts_per_s": rollout.get("rollouts_per_s"),
-                       "policy_tokens_per_s": rollout.get("policy_tokens_per_s"),
-                       "train_rollouts_per_s": train.get("rollouts_per_s")},
+        "throughput": {"rollouts_per_s": train.get("rollouts_per_s"),
+                       "policy_tokens_per_s": train.get("policy_tokens_per_s"),
+                       "rollout_stage_rollouts_per_s": rollout.get("rollouts_per_s")},
+        "final_weights_sha256": _final_weights(evidence),
         "evaluation": data.get("evaluation") or {},
     }
 
@@ -110,12 +116,21 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         ("isolation", [f"{a['isolation']['engine']}: {a['isolation']['network_and_filesystem']}" for a in arms]),
         ("no foreign packages", [_cell(a["isolation"]["foreign_packages_absent"]) for a in arms]),
         ("first reproducible update (s)", [_cell(a["time_to_first_reproducible_update_s"]) for a in arms]),
-        ("rollouts/s (rollout stage)", [_cell(a["throughput"]["rollouts_per_s"]) for a in arms]),
-        ("policy tokens/s", [_cell(a["throughput"]["policy_tokens_per_s"]) for a in arms]),
+        ("rollouts/s (train stage)", [_cell(a["throughput"]["rollouts_per_s"]) for a in arms]),
+        ("policy tokens/s (train stage)", [_cell(a["throughput"]["policy_tokens_per_s"]) for a in arms]),
+        ("final weights", [_same_weights(a, arms) for a in arms]),
         ("held-out (greedy)", [split(a, "heldout") for a in arms]),
         ("retention (greedy)", [split(a, "retention") for a in arms]),
     ]
     return rows
+
+
+def _same_weights(arm: dict[str, Any], arms: list[dict[str, Any]]) -> str:
+    digest = arm["final_weights_sha256"]
+    if not digest:
+        return "–"
+    twins = [a["stack"] for a in arms if a is not arm and a["final_weights_sha256"] == digest]
+    return digest[:12] + (f" (= {', '.join(twins)})" if twins else "")
 
 
 def markdown(plan: Plan, arms: list[dict[str, Any]]) -> str:

@@ -309,12 +309,26 @@ def _environment_arm_audit(arm: Arm, out: Path, result: StageResult | None) -> t
     for key in ("continuity_breaks", "untrained_calls", "failed_episodes", "retried_episodes",
                 "environment_restarts", "faults_injected", "episodes_without_calls"):
         metrics[key] = sum(batch.get(key, 0) for batch in batches)
-    seconds = sum(batch.get("rollout_s", 0.0) for batch in batches)
-    if seconds:
-        policy_tokens = sum(len(s.token_ids) for t in trajectories for s in t.segments if s.source == "policy")
-        metrics["rollouts_per_s"] = round(sum(batch.get("episodes", 0) for batch in batches) / seconds, 3)
-        metrics["policy_tokens_per_s"] = round(policy_tokens / seconds, 1)
     return gates, metrics
+
+
+def _throughput(arm: Arm, result: StageResult | None, metrics: dict[str, Any]) -> dict[str, float]:
+    """Episodes and policy tokens per second of generation: the rollout service's batches for environment
+    arms (environment + policy server), TRL's generate-and-score for the trl arm."""
+    if result is None:
+        return {}
+    if arm.service_env is not None:
+        parts = result.metrics.get("batches") or []
+        seconds = sum(batch.get("rollout_s", 0.0) for batch in parts)
+        episodes = sum(batch.get("episodes", 0) for batch in parts)
+    else:
+        parts = result.metrics.get("steps") or []
+        seconds = sum(step.get("generate_s", 0.0) for step in parts)
+        episodes = len(parts) * arm.plan.budget.prompts_per_step * arm.plan.budget.generations_per_prompt
+    if not seconds:
+        return {}
+    return {"rollouts_per_s": round(episodes / seconds, 3),
+            "policy_tokens_per_s": round(metrics.get("policy_tokens", 0) / seconds, 1)}
 
 
 def stage_rollout(arm: Arm) -> StageOutput:
@@ -324,15 +338,11 @@ def stage_rollout(arm: Arm) -> StageOutput:
     call_checks, call_metrics = _environment_arm_audit(arm, out, result)
     gates += call_checks
     metrics.update(call_metrics)
+    metrics.update(_throughput(arm, result, metrics))
     if arm.service_env is not None:
         recovery_gates, metrics["recovery"] = _injected_crash(arm, out / "injected-crash")
         gates += recovery_gates
-    elif result is not None:
-        batch = arm.plan.budget.prompts_per_step * arm.plan.budget.generations_per_prompt
-        seconds = sum(step.get("generate_s", 0.0) for step in result.metrics.get("steps", []))
-        if seconds:
-            metrics["rollouts_per_s"] = round(batch / seconds, 3)
-            metrics["policy_tokens_per_s"] = round(metrics["policy_tokens"] / seconds, 1)
+    else:
         metrics["recovery"] = {"applicable": False, "detail": "environment runs in the trainer's process"}
     return StageOutput(metrics=metrics, gates=gates)
 
@@ -373,6 +383,7 @@ def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageO
         call_checks, call_metrics = _environment_arm_audit(arm, out, result)
         gates += call_checks
         metrics.update(call_metrics)
+        metrics.update(_throughput(arm, result, metrics))
     losses = [float(x) for x in (result.metrics.get("loss", []) if result else [])]
     gates += update_gates(losses, steps, arm.plan.policy.sha256 or "", revisions, incomplete)
     metrics.update(loss=losses, steps=steps)

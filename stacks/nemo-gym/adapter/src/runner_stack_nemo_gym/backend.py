@@ -113,9 +113,9 @@ class NemoGymBackend(RolloutBackend):
     upstream_name = "nemo-gym"
     capabilities = ["multi-turn-tools", "cpu", "reward:reference-scorer", "environment-restart",
                     "episode-id:metadata", "episode-id:header"]
-    episode_id_channel = ("body metadata.episode_id (the /run request's responses_create_params.metadata, "
-                          "forwarded upstream by vllm_model) and header X-Episode-ID (added by the "
-                          "EpisodeVLLMModel subclass)")
+    # The /run request's responses_create_params.metadata reaches the policy as body metadata (stock
+    # vllm_model forwards it); the EpisodeVLLMModel subclass adds the header from it.
+    episode_id_channel = "body metadata.episode_id + header X-Episode-ID"
 
     def __init__(self, families: Iterable[str] = ()) -> None:
         self.families = sorted(set(families))  # resources servers start() brings up; others start on first use

@@ -134,8 +134,8 @@ class OpenEnvBackend(RolloutBackend):
     upstream_name = "openenv"
     capabilities = ["multi-turn-tools", "stateful-tools", "concurrent-episodes", "environment-restart", "cpu",
                     "token-capture:policy-server", "episode-id:header"]
-    episode_id_channel = ("header X-Episode-ID on every POST /v1/chat/completions (our agent loop makes every "
-                          "model call; the same id goes to OpenEnv reset(episode_id=...))")
+    # Our agent loop makes every model call; the same id goes to OpenEnv's reset(episode_id=...).
+    episode_id_channel = "header X-Episode-ID"
 
     def __init__(self, max_sessions: int = 256, policy_timeout_s: float = 300.0):
         self.server = EnvServer(max_sessions=max_sessions)
