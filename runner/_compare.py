@@ -113,7 +113,7 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         ("trained == sampled", [_cell(a["trace_fidelity"]["trained_equals_sampled"]) for a in arms]),
         ("resume after SIGKILL", [_cell(a["recovery"]["resume_passed"]) for a in arms]),
         ("injected env crash", [crash(a) for a in arms]),
-        ("isolation", [f"{a['isolation']['engine']}: {a['isolation']['network_and_filesystem']}" for a in arms]),
+        ("isolation", [a["isolation"]["network_and_filesystem"] for a in arms]),
         ("no foreign packages", [_cell(a["isolation"]["foreign_packages_absent"]) for a in arms]),
         ("first reproducible update (s)", [_cell(a["time_to_first_reproducible_update_s"]) for a in arms]),
         ("rollouts/s (train stage)", [_cell(a["throughput"]["rollouts_per_s"]) for a in arms]),
