@@ -1,10 +1,12 @@
-"""The verifiers stack (verifiers==0.4.0) in its own environment: our task families as a vf.Taskset with an
-MCP vf.Toolset, episodes run by verifiers' env server (null harness, subprocess runtime) against scripted
+"""The verifiers stack (verifiers==0.4.0) in its own environment: our task families as a vf.Taskset with a
+shared MCP vf.Toolset, episodes run by verifiers' env server (null harness, subprocess runtime) against scripted
 policies: the chat-completions path (EvalClient) and the token-in/token-out path (TrainClient with a local
-tokenizer), and the env server SIGKILLed mid-batch through the serve stage's fault injection.
+tokenizer), the env server SIGKILLed mid-batch through the serve stage's fault injection, and its tool server
+and the chat program's fork server SIGKILLed between batches.
 
-Slow: the first run builds the environment (~1 min; cached under RUNNER_CACHE_DIR afterwards); each
-episode costs a few seconds of CPU (verifiers starts a harness program and an MCP server per rollout).
+Slow: the first run builds the environment (~1 min; cached under RUNNER_CACHE_DIR afterwards); an env server
+takes a few seconds to start (its MCP tool server and fork server import verifiers / openai once), an episode
+then costs a fraction of a second of CPU (the chat program is forked pre-imported, the tool server is shared).
 """
 
 from __future__ import annotations
@@ -15,22 +17,20 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from stack_checks import (
+    SAMPLING,
+    assert_crash_mid_batch_loses_nothing,
+    assert_only_its_own_upstream,
+    installed_packages,
+    reference,
+)
 
-from qualification._http import post_json
 from qualification.policy_protocol import openai_tools
 from qualification.scripted_policy import ScriptedPolicyServer
-from qualification.tasks import FAMILIES, ToolCall, Transcript, get_family
+from qualification.tasks import FAMILIES, get_family
 from runner._engine import LocalEngine, scrubbed_env
-from runner._plan import load_plan
 from runner._stacks import get_stack
-from runner_contracts import EpisodeSpec, FaultSpec, RolloutRequest, RolloutResponse, SamplingSpec, StageRequest
-
-ROOT = Path(__file__).resolve().parents[1]
-PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
-# Other stacks' upstream distributions (and torch): none may be in this environment.
-FOREIGN = {"torch", "trl", "nemo-gym", "nemo-gym-core", "openenv", "openenv-core", "agentlightning",
-           "agent-lightning", "verl"}
-SAMPLING = SamplingSpec(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, seed=0)
+from runner_contracts import EpisodeSpec
 
 pytestmark = pytest.mark.slow
 
@@ -58,11 +58,6 @@ def scripted_episodes(families=tuple(sorted(FAMILIES)), max_turns: int = 8, all_
     return episodes, cases
 
 
-def reference(family, item, result: dict):
-    calls = [ToolCall(c["name"], c["arguments"], c["result"]) for c in result["tool_calls"]]
-    return family.score(item, Transcript(final_text=result["final_text"], tool_calls=calls))
-
-
 def assert_scores_as_reference(results: list[dict], cases: dict) -> None:
     for result in results:
         family, item, case = cases[result["episode_id"]]
@@ -77,15 +72,10 @@ def assert_scores_as_reference(results: list[dict], cases: dict) -> None:
 
 
 def test_environment_has_verifiers_and_no_other_stack(env):
-    out = subprocess.run([str(env.python), "-c",
-                          "import importlib.metadata as m, json; print(json.dumps({d.metadata['Name'].lower()"
-                          ".replace('_', '-').replace('.', '-'): d.version for d in m.distributions()}))"],
-                         capture_output=True, text=True, check=True).stdout
-    packages = json.loads(out)
-    assert packages["verifiers"] == "0.4.0"
+    assert_only_its_own_upstream(env)
+    packages = installed_packages(env)
     # The null harness's chat program runs on this interpreter: its PEP 723 dependencies must be here.
     assert packages["mcp"] == "2.0.0" and {"openai", "httpx", "httpx2", "tenacity", "certifi"} <= set(packages)
-    assert not FOREIGN & set(packages), FOREIGN & set(packages)
 
 
 # Runs in the stack environment: episodes through the backend (BatchRunner, as the serve stage runs them).
@@ -288,21 +278,61 @@ def test_token_in_token_out_episodes(env, tmp_path):
 
 
 def test_environment_killed_mid_batch_loses_no_episode(env, tmp_path):
-    # 6 episodes, 3 at a time; the env server (and every rollout process under it) is SIGKILLed when the 3rd starts.
-    episodes, cases = scripted_episodes(families=("business-comm", "calc-tool", "german-rag-cited"))
-    engine = LocalEngine()
-    service = engine.start_service(env, StageRequest(run_id="t", stack="verifiers", stage="serve",
-                                                     plan=load_plan(PLAN), out_dir=str(tmp_path)), ready_timeout_s=180)
-    try:
-        assert service.url.startswith("http://127.0.0.1:")
-        with ScriptedPolicyServer({e: c[2]["turns"] for e, c in cases.items()}) as policy:
-            request = RolloutRequest(episodes=episodes, policy_base_url=policy.base_url, sampling=SAMPLING,
-                                     concurrency=3, max_attempts=3, fault=FaultSpec(kill_environment_after_started=2))
-            response = msgspec.convert(post_json(service.url + "/rollouts", msgspec.to_builtins(request),
-                                                 timeout=400), RolloutResponse)
-    finally:
-        assert service.stop() == 0
-    assert response.faults_injected == 1 and response.environment_restarts >= 1
-    assert [r.episode_id for r in response.results] == [e.episode_id for e in episodes]
-    assert any(r.attempts > 1 for r in response.results)
-    assert_scores_as_reference([msgspec.to_builtins(r) for r in response.results], cases)
+    # The env server (and every rollout process under it) is SIGKILLed when the 6th episode starts.
+    assert_crash_mid_batch_loses_nothing(env, tmp_path, ["business-comm", "calc-tool", "german-rag-cited"])
+
+
+# Runs in the stack environment: a batch, then the shared tool server SIGKILLed, a batch, then the fork server
+# SIGKILLed, a batch; each death is noticed, the env server replaced, and the affected episodes retried.
+HELPERS_DRIVER = r"""
+import json, os, signal, sys, time
+import msgspec
+from runner_contracts import EpisodeSpec, RolloutRequest, SamplingSpec
+from qualification.rollout import BatchRunner
+from runner_stack_verifiers.backend import FORK_SERVER_MODULE, TOOL_SERVER_MODULE, VerifiersBackend, _cmdline, _tree
+
+args = json.loads(sys.stdin.read())
+backend = VerifiersBackend(log_dir=args["log_dir"])
+backend.start()
+out = []
+try:
+    for step, batch in enumerate(args["batches"]):
+        killed = None
+        if step:
+            module = [TOOL_SERVER_MODULE, FORK_SERVER_MODULE][step - 1]
+            killed = [pid for pid, _ in _tree(backend._server.process.pid) if module in _cmdline(pid)]
+            os.kill(killed[0], signal.SIGKILL)
+        request = RolloutRequest(episodes=[msgspec.convert(e, EpisodeSpec) for e in batch],
+                                 policy_base_url=args["base_url"], policy_model=args["model"],
+                                 sampling=msgspec.convert(args["sampling"], SamplingSpec), concurrency=2,
+                                 max_attempts=3)
+        response = BatchRunner(backend).run(request)
+        out.append({"killed": killed, "restarts": response.environment_restarts, "starts": backend.starts,
+                    "results": [msgspec.to_builtins(r) for r in response.results]})
+finally:
+    backend.stop()
+print(json.dumps(out))
+"""
+
+
+def test_tool_server_or_fork_server_killed_loses_no_episode(env, tmp_path):
+    batches, cases = [], {}
+    for tag in ("before", "tools-killed", "fork-killed"):
+        episodes, batch_cases = scripted_episodes(families=("business-comm", "calc-tool"))
+        renamed = [msgspec.structs.replace(e, episode_id=f"{e.episode_id}/{tag}") for e in episodes]
+        batches.append(renamed)
+        cases.update({f"{k}/{tag}": v for k, v in batch_cases.items()})
+    with ScriptedPolicyServer({e: c[2]["turns"] for e, c in cases.items()}) as policy:
+        home = tmp_path / "home"
+        args = {"base_url": policy.base_url, "model": policy.model, "sampling": msgspec.to_builtins(SAMPLING),
+                "batches": [[msgspec.to_builtins(e) for e in batch] for batch in batches], "log_dir": str(tmp_path)}
+        run = subprocess.run([str(env.python), "-c", HELPERS_DRIVER], input=json.dumps(args), capture_output=True,
+                             text=True, timeout=240, cwd=tmp_path, env=scrubbed_env(env.path / "bin", home))
+    assert run.returncode == 0, run.stderr[-3000:]
+    before, tools_killed, fork_killed = json.loads(run.stdout.splitlines()[-1])
+    assert before["restarts"] == 0 and before["starts"] == 1
+    # Each killed helper took the env server with it once: one restart, the episodes that hit it retried.
+    assert tools_killed["killed"] and tools_killed["restarts"] == 1 and tools_killed["starts"] == 2
+    assert fork_killed["killed"] and fork_killed["restarts"] == 1 and fork_killed["starts"] == 3
+    for batch in (before, tools_killed, fork_killed):
+        assert_scores_as_reference(batch["results"], cases)

@@ -2,9 +2,10 @@
 driven through its own ZMQ EnvClient, the way prime-rl's trainer drives it.
 
 Per episode the env server runs one rollout of SingleAgentEnv: the null harness's chat program (a
-subprocess) talks to verifiers' interception server, which calls the policy through the episode's
-client; the family's MCP tool server (a subprocess) runs the tools; the task's @vf.reward calls the
-reference scorer. The client config is per episode: its base URL names the episode
+subprocess, forked pre-imported by the env server's fork server) talks to verifiers' interception server,
+which calls the policy through the episode's client; the taskset's MCP tool server (one subprocess per env
+server, reached by each rollout under its own state route) runs the family's tools on the rollout's state;
+the task's @vf.reward calls the reference scorer. The client config is per episode: its base URL names the episode
 (http://127.0.0.1:PORT/episodes/<id>/v1), TrainClient (token-in/token-out with the policy's local
 tokenizer) when the endpoint has a tokenizer_dir, EvalClient (relay to /v1/chat/completions) otherwise.
 """
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ POLL_S = 0.2
 RECYCLE_AFTER_EPISODES = 500
 # Trace errors that mean the environment (not the policy or the episode) failed; the episode is retried.
 ENVIRONMENT_ERRORS = {"ToolsetError", "SandboxError"}
+TOOL_SERVER_MODULE = "runner_stack_verifiers.toolset"
+FORK_SERVER_MODULE = "runner_stack_verifiers.prefork"
 
 
 @dataclass
@@ -48,9 +51,15 @@ class _EnvServer:
     address: str
     client: Any  # verifiers.v1.serve.client.EnvClient, owned by the backend's event loop
     served: int = 0
+    # (pid, start time) of the processes every rollout needs: the shared MCP tool server and, unless disabled,
+    # the chat program's fork server (its children, the running chat programs, die with it).
+    helpers: list[tuple[int, str]] = field(default_factory=list)
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        """The env server runs, and so do its tool server and fork server."""
+        if self.process.poll() is not None:
+            return False
+        return all(_same_process(pid, start) for pid, start in self.helpers)
 
 
 class VerifiersBackend(RolloutBackend):
@@ -59,10 +68,9 @@ class VerifiersBackend(RolloutBackend):
     capabilities = ["multi-turn-tools", "stateful-tools", "mcp-tools", "concurrent-episodes", "environment-restart",
                     "cpu", "reward:reference-scorer", "token-capture:policy-server", "token-in-token-out",
                     "episode-id:path"]
-    episode_id_channel = ("path: per-episode client base URL http://127.0.0.1:PORT/episodes/<id>/v1 "
-                          "(TrainClient posts /episodes/<id>/inference/v1/generate after GET /episodes/<id>/v1/models; "
-                          "EvalClient posts /episodes/<id>/v1/chat/completions); every call also carries "
-                          "verifiers' X-Session-ID = its trace id")
+    # TrainClient GETs /episodes/<id>/v1/models, then POSTs /episodes/<id>/inference/v1/generate; EvalClient
+    # posts /episodes/<id>/v1/chat/completions. Every call also carries verifiers' X-Session-ID (its trace id).
+    episode_id_channel = "path /episodes/<id>/v1 (per-episode base URL)"
 
     def __init__(self, max_concurrent: int | None = None, log_dir: str | Path | None = None,
                  recycle_after: int = RECYCLE_AFTER_EPISODES) -> None:
@@ -81,7 +89,11 @@ class VerifiersBackend(RolloutBackend):
 
     def start(self) -> None:
         if self._work is None:
-            self._work = Path(tempfile.mkdtemp(prefix="vf-backend-"))
+            # Short: the env server's fork server listens on a unix socket in here (paths are capped at 108 bytes).
+            base = tempfile.gettempdir()
+            if len(base) > 48 and os.access("/tmp", os.W_OK):
+                base = "/tmp"
+            self._work = Path(tempfile.mkdtemp(prefix="vf-backend-", dir=base))
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers-client", daemon=True)
@@ -96,7 +108,7 @@ class VerifiersBackend(RolloutBackend):
                 return
             old, self._server = self._server, None
             if old is not None:
-                self._close_client(old)
+                self._retire(old)  # a running env server whose tool server died goes too
             self._server = self._spawn()
 
     def kill_environment(self) -> None:
@@ -163,7 +175,15 @@ class VerifiersBackend(RolloutBackend):
             time.sleep(0.05)
         address = ready.read_text().strip()
         client = self._call(self._connect(address), timeout=60)
-        return _EnvServer(process=process, address=address, client=client)
+        # The env serves only once its tool server answered (the fork server starts before), so both run now.
+        tree = [(pid, start, _cmdline(pid)) for pid, start in _tree(process.pid)]
+        tool_server = [(pid, start) for pid, start, cmd in tree if TOOL_SERVER_MODULE in cmd]
+        fork_server = [(pid, start) for pid, start, cmd in tree if FORK_SERVER_MODULE in cmd]
+        if not tool_server:
+            _kill_tree(process.pid)
+            raise RuntimeError("verifiers env server started no tool server; see "
+                               f"{self.log_dir / 'verifiers-envserver.log'}")
+        return _EnvServer(process=process, address=address, client=client, helpers=tool_server[:1] + fork_server[:1])
 
     async def _connect(self, address: str):
         from verifiers.v1.serve.client import EnvClient
@@ -200,6 +220,9 @@ class VerifiersBackend(RolloutBackend):
         finally:
             with self._lock:
                 self._in_flight -= 1
+        if (wire.errors or any(trace.errors for trace in wire.traces)) and not server.alive():
+            raise EnvironmentDown("the verifiers env server or its tool server died during episode "
+                                  f"{episode.episode_id}")
         environment_errors = [e for trace in wire.traces for e in trace.errors if e.type in ENVIRONMENT_ERRORS]
         if environment_errors:  # the rollout's tool server or runtime failed: retryable, like a dead env server
             raise EnvironmentDown("; ".join(f"{e.type}: {e.message}" for e in environment_errors)[:2000])
@@ -219,8 +242,9 @@ class VerifiersBackend(RolloutBackend):
                 break
             if not server.alive():
                 run.cancel()
-                raise EnvironmentDown(f"verifiers env server (pid {server.process.pid}) exited with "
-                                      f"{server.process.returncode} during episode {episode.episode_id}")
+                raise EnvironmentDown(f"verifiers env server (pid {server.process.pid}, exit "
+                                      f"{server.process.returncode}) or its tool server died during episode "
+                                      f"{episode.episode_id}")
         try:
             return run.result()
         except RuntimeError as error:  # the env server answered the request with a failure
@@ -289,6 +313,22 @@ def episode_result(episode: EpisodeSpec, wire, seconds: float) -> EpisodeResult:
                          reward=float(reward.score), reward_components=components, success=success, outcome=outcome,
                          finish_reason=finish, turns=trace.num_turns, final_text=final_text, tool_calls=tool_calls,
                          seconds=round(seconds, 3))
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _same_process(pid: int, start: str) -> bool:
+    """Whether `pid` is still the process that started at `start` (and not a zombie)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[19] == start and fields[0] not in ("Z", "X")
 
 
 def _processes() -> dict[int, tuple[int, str]]:

@@ -66,6 +66,7 @@ def start_prefork(directory: Path, script: Path) -> tuple[subprocess.Popen, Path
     directory.mkdir(parents=True, exist_ok=True)
     socket_path = directory / "sock"
     if len(str(socket_path)) > 100:  # AF_UNIX paths are limited to 108 bytes
+        logging.getLogger(__name__).warning("no fork server: socket path %s is too long", socket_path)
         return None
     launcher = write_launcher(directory, str(socket_path))
     process = subprocess.Popen([sys.executable, "-m", "runner_stack_verifiers.prefork", str(socket_path), str(script)],

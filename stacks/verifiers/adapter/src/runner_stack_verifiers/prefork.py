@@ -31,9 +31,11 @@ from pathlib import Path
 
 log = logging.getLogger("runner_stack_verifiers.prefork")
 
-# Imported by the chat program lazily (MCP) or at its top: imported once here, before any fork.
-WARM_MODULES = ["openai", "httpx", "certifi", "tenacity", "anyio", "httpx2", "mcp", "mcp.client.streamable_http",
-                "openai.lib.streaming.chat", "asyncio", "argparse"]
+# What the chat program imports, at its top or lazily (openai's resources on first use, the MCP client, the
+# HTTP transports when a client is built): imported once here, before any fork.
+WARM_MODULES = ["asyncio", "argparse", "certifi", "tenacity", "anyio", "anyio._backends._asyncio", "anyio.streams.tls",
+                "anyio.streams.stapled", "httpx", "httpcore", "h11", "openai", "openai.resources",
+                "openai.lib.streaming.chat", "httpx2", "httpcore2", "truststore", "mcp", "mcp.client.streamable_http"]
 HEADER = struct.Struct("!Q")
 
 LAUNCHER = r'''#!{python} -SE
@@ -102,10 +104,12 @@ def _warm(script: str) -> types.CodeType:
         log.warning("prefork: warming %s failed", script, exc_info=True)
     finally:
         sys.modules.pop(warm.__name__, None)
-    try:  # what openai's platform headers ask for (`uname -p` in a subprocess otherwise)
+    try:  # what openai's platform headers ask for (`uname -p` in a subprocess otherwise); the CA bundle path
         import platform
 
-        platform.platform(), platform.processor(), platform.machine()
+        import certifi
+
+        platform.platform(), platform.processor(), platform.machine(), certifi.where()
     except Exception:  # noqa: BLE001
         pass
     return code
@@ -282,8 +286,12 @@ def serve(socket_path: str, script: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=os.environ.get("RUNNER_VF_LOG", "INFO"), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Our own logger only: the children inherit the root logger as a fresh interpreter has it (unconfigured).
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(os.environ.get("RUNNER_VF_LOG", "INFO"))
+    log.propagate = False
     try:
         serve(argv[0], argv[1])
     except KeyboardInterrupt:

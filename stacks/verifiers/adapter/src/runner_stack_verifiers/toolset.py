@@ -71,7 +71,7 @@ class FamilyToolset(vf.Toolset[FamilyToolsetConfig, EpisodeState]):
             return listed.get(state.family, [])
 
         mcp.list_tools = list_tools
-        _drop_port_file_when_listed(mcp)
+        _drop_port_file_when_served(mcp)
 
     def _tool_function(self, tool_name: str, param_names: list[str], description: str):
         """A function with the tool's parameters, untyped so the family sees the model's raw arguments (an
@@ -102,20 +102,27 @@ class FamilyToolset(vf.Toolset[FamilyToolsetConfig, EpisodeState]):
         return call
 
 
-def _drop_port_file_when_listed(mcp: MCPServer) -> None:
+def _drop_port_file_when_served(mcp: MCPServer) -> None:
     """Verifiers hands the tool server a /tmp/vf-port-<uuid> file to report its port and never removes it
-    (the server dies by signal, so exit hooks do not run). Rollouts list the tools only after verifiers
-    has read that port, so the first listing removes the file."""
+    (the server dies by signal, so exit hooks do not run). Verifiers reads the port and then probes the
+    server over HTTP, so the first HTTP request removes the file."""
     port_file = os.environ.get("MCP_PORT_FILE")
     if not port_file:
         return
-    list_tools = mcp.list_tools
+    build = mcp.streamable_http_app
 
-    async def listed():
-        Path(port_file).unlink(missing_ok=True)
-        return await list_tools()
+    def streamable_http_app(*args, **kwargs):
+        inner = build(*args, **kwargs)
+        pending = [port_file]
 
-    mcp.list_tools = listed
+        async def app(scope, receive, send):
+            if pending and scope["type"] == "http":
+                Path(pending.pop()).unlink(missing_ok=True)
+            await inner(scope, receive, send)
+
+        return app
+
+    mcp.streamable_http_app = streamable_http_app
 
 
 if __name__ == "__main__":

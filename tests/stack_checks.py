@@ -1,0 +1,124 @@
+"""Checks every environment stack's test runs: its environment's packages, scripted episodes per family,
+and an environment server killed in the middle of a rollout batch served through the engine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import msgspec
+
+from qualification._http import post_json
+from qualification.scripted_policy import ScriptedPolicyServer
+from qualification.tasks import FAMILIES, ToolCall, Transcript, get_family
+from runner._engine import LocalEngine, StackEnvironment
+from runner._plan import load_plan
+from runner._stacks import all_stacks
+from runner_contracts import EpisodeSpec, FaultSpec, RolloutRequest, RolloutResponse, SamplingSpec, StageRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
+SAMPLING = SamplingSpec(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, seed=0)
+
+
+def installed_packages(env: StackEnvironment) -> dict[str, str]:
+    out = subprocess.run([str(env.python), "-c",
+                          "import importlib.metadata as m, json; print(json.dumps({d.metadata['Name'].lower()"
+                          ".replace('_', '-').replace('.', '-'): d.version for d in m.distributions()}))"],
+                         capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def assert_only_its_own_upstream(env: StackEnvironment) -> None:
+    """The stack's pinned upstream is installed; torch and every other stack's upstream are not."""
+    packages = installed_packages(env)
+    own = env.manifest.upstream
+    assert packages[own.name] == own.version
+    foreign = {"torch", "openenv-core", "agentlightning", "verl"} | {
+        m.upstream.name for m in all_stacks().values() if m.name != env.manifest.name}
+    assert not foreign & set(packages), foreign & set(packages)
+
+
+def scripted_episodes(families=None, max_turns: int = 8) -> tuple[list[EpisodeSpec], dict[str, tuple]]:
+    """Every scripted case (known-good and known-bad) of one train item of each family."""
+    episodes, cases = [], {}
+    for name in sorted(families or FAMILIES):
+        family = get_family(name)
+        item = family.generate("train", 1, 1)[0]
+        for case in family.scripted_cases(item):
+            episode_id = f"{name}/{case['case']}"
+            episodes.append(EpisodeSpec(episode_id=episode_id, task_id=item.task_id, family=name,
+                                        item=item.to_json(), seed=0, max_turns=max_turns))
+            cases[episode_id] = (family, item, case)
+    return episodes, cases
+
+
+def reference(family, item, result: dict):
+    calls = [ToolCall(c["name"], c["arguments"], c["result"]) for c in result["tool_calls"]]
+    return family.score(item, Transcript(final_text=result["final_text"], tool_calls=calls))
+
+
+def assert_crash_mid_batch_loses_nothing(env: StackEnvironment, tmp_path: Path, families=None,
+                                         kill_after: int = 5) -> RolloutResponse:
+    """The stack's rollout service (through the engine, as an arm runs it) with the environment server
+    SIGKILLed once `kill_after` episodes started: every episode comes back completed with the
+    reference score, some on a second attempt."""
+    episodes, cases = scripted_episodes(families)
+    service = LocalEngine().start_service(env, StageRequest(
+        run_id="t", stack=env.manifest.name, stage="serve", plan=load_plan(PLAN), out_dir=str(tmp_path)),
+        ready_timeout_s=120)
+    try:
+        assert service.url.startswith("http://127.0.0.1:")
+        with ScriptedPolicyServer({e: c[2]["turns"] for e, c in cases.items()}) as policy:
+            request = RolloutRequest(episodes=episodes, policy_base_url=policy.base_url, sampling=SAMPLING,
+                                     concurrency=4, max_attempts=3,
+                                     fault=FaultSpec(kill_environment_after_started=kill_after))
+            response = msgspec.convert(post_json(service.url + "/rollouts", msgspec.to_builtins(request),
+                                                 timeout=600), RolloutResponse)
+    finally:
+        assert service.stop() == 0
+    assert response.faults_injected == 1 and response.environment_restarts >= 1
+    assert [r.episode_id for r in response.results] == [e.episode_id for e in episodes]
+    assert any(r.attempts > 1 for r in response.results)
+    for result in response.results:
+        assert result.status == "completed", result.error
+        family, item, case = cases[result.episode_id]
+        score = reference(family, item, msgspec.to_builtins(result))
+        assert result.reward == score.reward and result.success is case["expected_success"]
+    return response
+
+
+def assert_scripted_results(results: list[dict], cases: dict[str, tuple], calls: list[dict], channel: str) -> None:
+    """Backend results equal the reference scorer (reward, components, success), in order; every family
+    has a known-good and a known-bad case; every policy call named its episode through `channel`."""
+    assert [r["episode_id"] for r in results] == list(cases)
+    assert {c["episode_id"] for c in calls} == set(cases) and {c["channel"] for c in calls} == {channel}
+    for result in results:
+        family, item, case = cases[result["episode_id"]]
+        score = reference(family, item, result)
+        assert result["status"] == "completed"
+        assert result["reward"] == score.reward and result["reward_components"] == score.components, result
+        assert result["success"] is score.success is case["expected_success"], result
+    for name in {family.name for family, _, _ in cases.values()}:
+        assert {r["success"] for r in results if r["episode_id"].startswith(name + "/")} == {True, False}
+
+
+def assert_service_stage(env: StackEnvironment, out: Path, timeout_s: float = 300) -> None:
+    """The scaffold's service stage through the engine: no failed episode, no unattributed call, and every
+    scripted case scored as the reference scorer scores it."""
+    from qualification.tasks import TaskItem
+
+    outcome = LocalEngine().run(env, StageRequest(run_id="t", stack=env.manifest.name, stage="service",
+                                                  plan=load_plan(PLAN), out_dir=str(out),
+                                                  options={"items_per_family": 1}), timeout_s=timeout_s)
+    assert outcome.ok, (out / "stderr.log").read_text()[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["metrics"]["failed_episodes"] == [] and result["metrics"]["unattributed_calls"] == 0
+    cases = [json.loads(line) for line in (out / "service.jsonl").read_text().splitlines()]
+    assert cases
+    for case in cases:
+        item = TaskItem.from_json(case["item"])
+        score = reference(get_family(item.family), item, case)
+        assert case["stack_reward"] == score.reward
+        assert score.success is case["expected_success"], case
