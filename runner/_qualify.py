@@ -198,8 +198,8 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
     upstream_version = installed.get(normalise(manifest.upstream.name))
     foreign = {normalise(m.upstream.name) for m in all_stacks().values()
                if m.name != manifest.name and not normalise(m.upstream.name).startswith("runner-")}
-    if manifest.is_environment:
-        foreign.add("torch")  # environment stacks never train: a torch in there is a leak from elsewhere
+    if manifest.is_environment and "torch" not in manifest.locked_packages():
+        foreign.add("torch")  # an environment stack that does not pin torch must not have one
     leaked = sorted(name for name in installed if name in foreign)
     gates = [
         msgspec.structs.replace(lock_gate(installed, manifest.locked_packages()), name=f"{prefix}:lock-match"),
@@ -307,8 +307,15 @@ def _environment_arm_audit(arm: Arm, out: Path, result: StageResult | None) -> t
     gates, metrics = call_gates(_read_any(out, "calls.jsonl", PolicyCall), trajectories)
     batches = (result.metrics.get("batches") if result else None) or []
     for key in ("continuity_breaks", "untrained_calls", "failed_episodes", "retried_episodes",
-                "environment_restarts", "faults_injected", "episodes_without_calls"):
+                "environment_restarts", "faults_injected", "episodes_without_calls", "rows_from_stack_capture",
+                "stack_capture_mismatches"):
         metrics[key] = sum(batch.get(key, 0) for batch in batches)
+    if metrics["rows_from_stack_capture"]:
+        gates.append(GateResult(
+            name="calls:stack-capture-equals-server", passed=metrics["stack_capture_mismatches"] == 0,
+            measured=metrics["stack_capture_mismatches"], threshold=0,
+            detail=f"{metrics['rows_from_stack_capture']} episodes trained from the stack's own token capture; "
+                   "each capture's prompt and sampled ids equal the policy server's log"))
     return gates, metrics
 
 

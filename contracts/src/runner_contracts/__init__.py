@@ -22,6 +22,7 @@ from .records import (
     SUPPORTED_VERSION,
     Artifact,
     BudgetSpec,
+    CapturedCall,
     Checkpoint,
     Demonstration,
     EnvironmentInfo,
@@ -55,7 +56,7 @@ from .records import (
 )
 
 __all__ = [
-    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "Checkpoint", "Demonstration",
+    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration",
     "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "FaultSpec", "EvalRecord", "Evidence", "GateResult", "GateSpec", "Hardware",
     "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Record", "RecordError", "RewardSpec", "RolloutRequest", "RolloutResponse", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageRequest", "StageResult", "TaskSpec", "ToolCallRecord", "TrainingRow",

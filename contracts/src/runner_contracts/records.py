@@ -332,6 +332,14 @@ class ToolCallRecord(Record, kw_only=True):
     result: str
 
 
+class CapturedCall(Record, kw_only=True):
+    """One model call as the environment stack itself captured it (e.g. at a gateway), in call order."""
+
+    prompt_ids: list[TokenId]
+    completion_ids: list[TokenId]
+    logprobs: list[LogProb]
+
+
 class EpisodeResult(Record, kw_only=True):
     """What an environment adapter reports for one episode. `status` failed = given up after retries."""
 
@@ -351,6 +359,9 @@ class EpisodeResult(Record, kw_only=True):
     attempts: NonNegInt = 1
     error: ErrorInfo | None = None
     seconds: float = 0.0
+    # The stack's own token capture, when it has one: the trainer builds rows from it and the host
+    # audits it against the policy server's log.
+    captured_calls: list[CapturedCall] | None = None
 
 
 class RolloutResponse(Record, kw_only=True):

@@ -103,13 +103,19 @@ class Bridge:
         by_id = {result.episode_id: result for result in response.results}
         out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [],
                                      "env_result": []}
-        breaks = untrained = failed = 0
+        breaks = untrained = failed = stack_rows = capture_mismatches = 0
         eos = trainer.processing_class.eos_token_id
         for episode, example in zip(episodes, inputs, strict=True):
             result = by_id[episode.episode_id]
-            # Only the attempt that completed is trained; an episode given up on trains nothing.
-            row = (chain_calls(self.server.calls_of(episode.episode_id, result.attempts))
-                   if result.status == "completed" else None)
+            # Only the attempt that completed is trained; an episode given up on trains nothing. A stack
+            # with its own token capture (a gateway) supplies the rows; the host audits them against the log.
+            served = self.server.calls_of(episode.episode_id, result.attempts)
+            if result.captured_calls is not None:
+                stack_rows += 1
+                captured = [(c.prompt_ids, c.completion_ids) for c in result.captured_calls]
+                capture_mismatches += captured != [(c.prompt_ids, c.completion_ids) for c in served]
+            source = served if result.captured_calls is None else result.captured_calls
+            row = chain_calls(source) if result.status == "completed" else None
             if row is None:  # failed, or never reached the policy: an empty, untrained completion
                 failed += 1
                 prompt = trainer.processing_class.apply_chat_template(example["prompt"], tokenize=True,
@@ -129,6 +135,7 @@ class Bridge:
         self.batches.append({
             "step": step, "episodes": len(episodes), "continuity_breaks": breaks, "untrained_calls": untrained,
             "episodes_without_calls": failed,
+            "rows_from_stack_capture": stack_rows, "stack_capture_mismatches": capture_mismatches,
             "failed_episodes": sum(1 for r in response.results if r.status != "completed"),
             "retried_episodes": sum(1 for r in response.results if r.attempts > 1),
             "environment_restarts": response.environment_restarts, "faults_injected": response.faults_injected,
