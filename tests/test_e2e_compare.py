@@ -68,3 +68,12 @@ def test_comparison_carries_the_figures(comparison):
         assert arm["throughput"]["rollouts_per_s"] > 0 and arm["throughput"]["policy_tokens_per_s"] > 0
         assert set(arm["evaluation"]) == {"heldout", "retention"}
         assert arm["recovery"]["resume_passed"] is True
+
+
+def test_environment_arms_that_see_the_same_conversations_train_the_same_weights(comparison):
+    """The comparison holds everything but the environment stack fixed: the policy server seeds each call
+    from (plan seed, episode, call index) and renders every stack's conversation the same way, so stacks
+    that implement a task equivalently reach byte-identical weights (here all three environment stacks)."""
+    _, data, _ = comparison
+    weights = {arm["stack"]: arm["final_weights_sha256"] for arm in data["arms"] if arm["stack"] != "trl"}
+    assert len(set(weights.values())) == 1 and None not in weights.values(), weights
