@@ -1,4 +1,4 @@
-"""`runner report RUN_DIR`: (re)write report.md and summary.json from a run's evidence."""
+"""`runner report RUN_DIR`: (re)write a run's or a comparison's reports from the evidence."""
 
 from __future__ import annotations
 
@@ -6,15 +6,29 @@ from pathlib import Path
 
 import typer
 
+from .._compare import write_comparison
 from .._report import gate_table, load_run, write_report
 from ._common import cli_errors, console, print_json
 
 
 def report(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `runner qualify`."),
+    run_dir: Path = typer.Argument(..., help="A run directory written by `runner qualify`, or a comparison "
+                                            "directory written by `runner compare` (it has arms/)."),
     json_output: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
-    """Rebuild the report of a run from its plan.json and per-stage evidence.json files."""
+    """Rebuild the report of a run from its plan.json and per-stage evidence.json files; for a comparison,
+    every arm's report and comparison.json, comparison.md and report.html."""
+    if (run_dir / "arms").is_dir():
+        with cli_errors():
+            stacks = sorted(path.parent.name for path in (run_dir / "arms").glob("*/plan.json"))
+            for stack in stacks:
+                write_report(run_dir / "arms" / stack)
+            result = write_comparison(run_dir, stacks)
+        if json_output:
+            print_json(result)
+        else:
+            console.print(f"comparison of {', '.join(stacks)}: {run_dir / 'comparison.md'}", highlight=False)
+        return
     with cli_errors():
         data = write_report(run_dir)
         plan, evidence = load_run(run_dir)
