@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -21,6 +22,9 @@ def report(
     if (run_dir / "arms").is_dir():
         with cli_errors():
             stacks = sorted(path.parent.name for path in (run_dir / "arms").glob("*/plan.json"))
+            if (run_dir / "comparison.json").is_file():  # keep the order the arms ran in
+                ran = [arm["stack"] for arm in json.loads((run_dir / "comparison.json").read_text())["arms"]]
+                stacks = [s for s in ran if s in stacks] + [s for s in stacks if s not in ran]
             for stack in stacks:
                 write_report(run_dir / "arms" / stack)
             result = write_comparison(run_dir, stacks)
