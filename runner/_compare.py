@@ -41,6 +41,7 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
     environment = data.get("environment") or {}
     upstream = environment.get("upstream") or {}
     calls = sum(m.get("policy_calls", 0) for m in stages)
+    stack_rows = sum(m.get("rows_from_stack_capture", 0) for m in stages)
     return {
         "stack": stack,
         "upstream": f"{upstream.get('name')}=={upstream.get('version')}",
@@ -50,7 +51,8 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
         "gates": {e.stage: e.status for e in evidence},
         "failed_gates": data["failed_gates"],
         "trace_fidelity": {
-            "token_source": "policy server capture" if calls else "trainer's own sampled ids",
+            "token_source": ("stack capture (gateway), audited against the policy server" if stack_rows else
+                             "policy server capture" if calls else "trainer's own sampled ids"),
             "attribution_channel": probe.get("episode_id_channel") or "in-process (no policy server)",
             "policy_calls": calls,
             "unattributed_calls": sum(m.get("unattributed_calls", 0) for m in stages),

@@ -37,6 +37,7 @@ def assert_only_its_own_upstream(env: StackEnvironment) -> None:
     assert packages[own.name] == own.version
     foreign = {"torch", "openenv-core", "agentlightning", "verl"} | {
         m.upstream.name for m in all_stacks().values() if m.name != env.manifest.name}
+    foreign -= set(env.manifest.locked_packages())  # what the stack pins itself is its own
     assert not foreign & set(packages), foreign & set(packages)
 
 

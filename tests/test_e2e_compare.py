@@ -1,6 +1,8 @@
 """`runner compare` end to end: the trl arm and every environment stack on the calc-tool CPU plan, each in
 its own real environment (pinned upstream packages), environment stacks driven by the same TRL trainer
-through the policy server. Slow: builds the environments on first use (cached by lock hash)."""
+through the policy server; the lightning-verl arm trains from its gateway's own token capture. One run
+covers both `runner compare --stacks trl,nemo-gym,openenv,verifiers` and `--stacks trl,lightning-verl`.
+Slow: builds the environments on first use (cached by lock hash)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from runner_contracts import Evidence, read_record
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
-ARMS = ["trl", "nemo-gym", "openenv", "verifiers"]
+ARMS = ["trl", "nemo-gym", "openenv", "verifiers", "lightning-verl"]
 RUNNER = str(Path(sys.executable).parent / "runner")
 
 pytestmark = pytest.mark.slow
@@ -59,6 +61,8 @@ def test_environment_arms_capture_every_call_and_lose_no_episode(comparison):
         assert fidelity["unattributed_calls"] == 0
         assert crash["faults_injected"] == 1 and crash["lost"] == 0 and crash["returned"] == crash["requested"]
         assert arm["isolation"]["foreign_packages_absent"] is True
+    lightning = next(arm for arm in data["arms"] if arm["stack"] == "lightning-verl")
+    assert lightning["trace_fidelity"]["token_source"] == "stack capture (gateway), audited against the policy server"
 
 
 def test_comparison_carries_the_figures(comparison):
@@ -73,7 +77,8 @@ def test_comparison_carries_the_figures(comparison):
 def test_environment_arms_that_see_the_same_conversations_train_the_same_weights(comparison):
     """The comparison holds everything but the environment stack fixed: the policy server seeds each call
     from (plan seed, episode, call index) and renders every stack's conversation the same way, so stacks
-    that implement a task equivalently reach byte-identical weights (here all three environment stacks)."""
+    that implement a task equivalently reach byte-identical weights (here all four environment stacks,
+    the team harness behind Agent Lightning's gateway included)."""
     _, data, _ = comparison
     weights = {arm["stack"]: arm["final_weights_sha256"] for arm in data["arms"] if arm["stack"] != "trl"}
     assert len(set(weights.values())) == 1 and None not in weights.values(), weights

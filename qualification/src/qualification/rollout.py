@@ -21,9 +21,11 @@ import importlib.metadata
 import os
 import platform
 import signal
+import subprocess
 import threading
 import time
 import urllib.parse
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +78,57 @@ class PolicyEndpoint:
         """A base URL that names the episode in its path, for clients that cannot add headers."""
         root = self.base_url.removesuffix("/").removesuffix("/v1")
         return f"{root}/episodes/{urllib.parse.quote(episode_id, safe='')}/v1"
+
+
+class ServerProcess:
+    """An upstream server an adapter started as a subprocess: health, readiness, SIGKILL, stop.
+    Subclasses set `name`, `health_path`, `url` and start `process` themselves."""
+
+    name = "server"
+    health_path = "/health"
+    process: subprocess.Popen | None = None
+    ready_timeout_s: float = 60.0
+
+    @property
+    def url(self) -> str:
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + self.health_path, timeout=2) as response:
+                return response.status == 200
+        except (OSError, ValueError):
+            return False
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        while not self.healthy():
+            if not self.alive():
+                code = self.process.returncode if self.process is not None else None
+                raise RuntimeError(f"{self.name} exited with {code} before it was ready")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{self.name} on {self.url} not healthy after {self.ready_timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        """SIGKILL (the process is ours: we started it)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        if self.process is not None:
+            self.process.wait()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.process = None
 
 
 class RolloutBackend:

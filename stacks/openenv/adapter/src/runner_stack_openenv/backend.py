@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import urllib.request
 from typing import Any
 
 from qualification.policy_protocol import openai_tools
-from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
+from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend, ServerProcess
 from qualification.tasks import TaskItem, get_family
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 
@@ -47,8 +46,10 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
     return (ConnectionError, ConnectionClosed, InvalidHandshake, TimeoutError, OSError)
 
 
-class EnvServer:
+class EnvServer(ServerProcess):
     """The uvicorn subprocess serving the OpenEnv app, on a socket bound here to 127.0.0.1."""
+
+    name = "OpenEnv server"
 
     def __init__(self, max_sessions: int = 256, ready_timeout_s: float = 60.0):
         self.max_sessions = max_sessions
@@ -60,9 +61,6 @@ class EnvServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
 
     def start(self) -> None:
         sock = self._bind()
@@ -76,7 +74,7 @@ class EnvServer:
             # The child holds the only listening copy: once it dies, connections are refused, not queued.
             sock.close()
         self.starts += 1
-        self._wait_ready()
+        self.wait_ready()
 
     def _bind(self) -> socket.socket:
         """A listening socket on 127.0.0.1: the previous port when it is free again, else a new free one."""
@@ -92,41 +90,6 @@ class EnvServer:
             self.port = sock.getsockname()[1]
             return sock
         raise OSError("no free port on 127.0.0.1")
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        while True:
-            if not self.alive():
-                raise RuntimeError(f"OpenEnv server exited with {self.process.returncode} before it was ready")
-            if self.healthy():
-                return
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"OpenEnv server on {self.url} not healthy after {self.ready_timeout_s:.0f} s")
-            time.sleep(0.05)
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                return response.status == 200
-        except (OSError, ValueError):
-            return False
-
-    def kill(self) -> None:
-        """SIGKILL (the process is ours: we started it)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        if self.process is not None:
-            self.process.wait()
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.process = None
 
 
 class OpenEnvBackend(RolloutBackend):

@@ -31,7 +31,7 @@ from runner_contracts import (
     StageResult,
 )
 
-from .grpo import Recorder, build_trainer, get_item_id, task_rows
+from .grpo import Recorder, get_item_id, task_rows
 from .policy_server import PolicyServer
 
 CONCURRENCY = 4

@@ -82,7 +82,7 @@ class Recorder:
         folder = self.resume_from if self.resume_from and self.resume_from.name == name else self.checkpoint_dir / name
         return sha256_file(folder / "model.safetensors")
 
-    def record(self, trainer: CapturingGRPOTrainer, inputs: list[dict[str, Any]], out: dict[str, Any],
+    def record(self, trainer: Any, inputs: list[dict[str, Any]], out: dict[str, Any],
                reward: TaskReward, started: float) -> None:
         import torch
 

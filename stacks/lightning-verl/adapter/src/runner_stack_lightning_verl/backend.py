@@ -1,0 +1,292 @@
+"""The lightning-verl rollout backend: an unmodified team harness behind Agent Lightning's gateway.
+
+Per episode (one Agent Lightning rollout per attempt, as its local controller runs them):
+1. enqueue a rollout in agl-server's store (`POST /api/rollouts`, metadata.episode_id = the wire id) and
+   mark it running with attempt "0";
+2. run the team harness (`team_agent.py`, a separate program) as a subprocess in its own session, whose
+   only model setting is OPENAI_BASE_URL = the gateway's per-rollout proxy URL
+   `/proxy/rollout/<rid>/attempt/0/mode/train/openai/v1`;
+3. the gateway forwards every call to the policy at `<policy root>/episodes/<episode id>/v1` (see
+   gateway.py), adding the vLLM fields `return_token_ids: true` and `logprobs: true`, and stores the call;
+4. read the rollout's calls back from the store in Agent Lightning's training ("triplet") format:
+   prompt_token_ids, response_token_ids, response_log_probs → EpisodeResult.captured_calls, call order;
+5. score the harness's transcript with the task family's reference scorer, post it as the rollout's
+   `reward` event, mark the rollout succeeded, and drop it from the in-memory store.
+
+A harness killed by a signal, or a gateway that is down, raises EnvironmentDown (the scaffold restarts the
+gateway and retries the episode as a new rollout); the abandoned rollout is marked failed in the store
+when the store is still up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from typing import Any
+
+from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend, ServerProcess
+from qualification.tasks import TaskItem, ToolCall, Transcript, get_family
+from runner_contracts import CapturedCall, EpisodeResult, EpisodeSpec, ToolCallRecord
+
+ATTEMPT = "0"  # agentlightning.schemas.DEFAULT_ATTEMPT_ID: a retry is a new rollout, as agl-controller runs them
+
+
+class StoreError(Exception):
+    """agl-server answered with an HTTP error (it is up)."""
+
+
+class Gateway(ServerProcess):
+    """agl-server (gateway + in-memory store) as a subprocess on a 127.0.0.1 socket bound here."""
+
+    name = "agl-server"
+    health_path = "/healthz"
+
+    def __init__(self, ready_timeout_s: float = 60.0):
+        self.ready_timeout_s = ready_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.port = 0
+        self.key = secrets.token_hex(16)
+        self.model = "policy"
+        self.temperature = 1.0
+        self.upstream: str | None = None  # the policy base URL registered as the model's endpoint
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(256)
+            self.port = sock.getsockname()[1]
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "runner_stack_lightning_verl.gateway", "--fd", str(sock.fileno()),
+                 "--parent-pid", str(os.getpid()), "--key", self.key, "--model", self.model,
+                 "--temperature", repr(float(self.temperature))],
+                pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
+                env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+        finally:
+            sock.close()  # the child holds the only listening copy: once it dies, connections are refused
+        self.starts += 1
+        self.upstream = None
+        self.wait_ready()
+
+    def api(self, method: str, path: str, body: Any = None, timeout: float = 30.0) -> Any:
+        """A call to agl-server's store API with the bearer key; HTTP errors raise StoreError, a dead or
+        unreachable server raises EnvironmentDown."""
+        request = urllib.request.Request(
+            self.url + path, method=method, data=None if body is None else json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as error:
+            raise StoreError(f"agl-server {method} {path}: {error.code} "
+                             f"{error.read().decode(errors='replace')[:300]}") from None
+        except OSError as error:
+            raise EnvironmentDown(f"agl-server {self.url} unreachable ({method} {path}): {error}") from None
+        return json.loads(raw) if raw else None
+
+
+class LightningBackend(RolloutBackend):
+    stack = "lightning-verl"
+    upstream_name = "agentlightning"
+    capabilities = ["multi-turn-tools", "stateful-tools", "concurrent-episodes", "environment-restart", "cpu",
+                    "reward:reference-scorer", "token-capture:stack-gateway", "unmodified-harness",
+                    "episode-id:path"]
+    episode_id_channel = ("URL prefix /episodes/<id>/v1: agl-server's gateway forwards each rollout to the "
+                          "registered policy endpoint under the rollout's episode id (metadata.episode_id)")
+
+    def __init__(self, harness_timeout_s: float = 600.0):
+        self.gateway = Gateway()
+        self.harness_timeout_s = harness_timeout_s
+        self._lock = threading.Lock()  # the gateway process and its configuration
+        self._harnesses: set[subprocess.Popen] = set()
+        self._harness_lock = threading.Lock()
+        self._down = False  # killed (fault injection or crash) and not yet restarted
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._lock:
+            if not self.gateway.alive():
+                self.gateway.start()
+            self._down = False
+
+    def kill_environment(self) -> None:
+        """SIGKILLs agl-server and every running team harness (all started here)."""
+        with self._lock:
+            self._down = True
+            self.gateway.kill()
+        self.kill_harnesses()
+
+    def restart_environment(self) -> None:
+        with self._lock:
+            if not (self.gateway.alive() and self.gateway.healthy()):
+                self.gateway.kill()
+                self.gateway.start()
+            self._down = False
+
+    def stop(self) -> None:
+        self.kill_harnesses()
+        with self._lock:
+            self.gateway.stop()
+
+    def running_harnesses(self) -> list[subprocess.Popen]:
+        with self._harness_lock:
+            return [p for p in self._harnesses if p.poll() is None]
+
+    def kill_harnesses(self) -> None:
+        """SIGKILLs the running team harnesses only (agl-server stays up)."""
+        for process in self.running_harnesses():
+            try:
+                os.killpg(process.pid, signal.SIGKILL)  # its own session: the harness and anything it started
+            except ProcessLookupError:
+                pass
+
+    def _gateway_for(self, policy: PolicyEndpoint) -> tuple[Gateway, int]:
+        """The running gateway, configured for this policy, and its start count: model name and temperature
+        are agl-server startup config (a change restarts it); the policy URL is a registered model endpoint
+        (POST /api/models)."""
+        with self._lock:
+            gateway = self.gateway
+            if self._down or not gateway.alive():
+                raise EnvironmentDown(f"agl-server {gateway.url} is not running")
+            temperature = float(policy.sampling.temperature)
+            if (gateway.model, gateway.temperature) != (policy.model, temperature):
+                gateway.stop()
+                gateway.model, gateway.temperature = policy.model, temperature
+                gateway.start()
+            if gateway.upstream != policy.base_url:
+                gateway.api("DELETE", "/api/models")
+                gateway.api("POST", "/api/models", [{"model": policy.model, "endpoint": policy.base_url}])
+                gateway.upstream = policy.base_url
+            return gateway, gateway.starts
+
+    def _lost(self, gateway: Gateway, generation: int) -> bool:
+        """Whether the agl-server an episode started on died or was replaced (its store is gone)."""
+        with self._lock:
+            return self._down or gateway.starts != generation or not gateway.alive()
+
+    # --- one episode -------------------------------------------------------------------------------------
+
+    def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
+        started = time.monotonic()
+        item = TaskItem.from_json(episode.item)
+        family = get_family(episode.family)
+        gateway, generation = self._gateway_for(policy)
+        try:
+            return self._episode(gateway, episode, policy, item, family, started)
+        except EnvironmentDown:
+            raise
+        except Exception as error:
+            if self._lost(gateway, generation):  # e.g. the harness lost its connection, the store its rollout
+                raise EnvironmentDown(f"agl-server died or restarted during the episode: "
+                                      f"{type(error).__name__}: {str(error)[:300]}") from error
+            raise
+
+    def _episode(self, gateway: Gateway, episode: EpisodeSpec, policy: PolicyEndpoint, item: TaskItem, family,
+                 started: float) -> EpisodeResult:
+        rollout_id = uuid.uuid4().hex  # the episode id goes in metadata: it may hold "/" (a path segment here)
+        gateway.api("POST", "/api/rollouts", [{
+            "rollout_id": rollout_id, "input": {"data_id": episode.task_id, "family": episode.family},
+            "is_train": True, "metadata": {"episode_id": episode.episode_id, "task_id": episode.task_id}}])
+        self._patch(gateway, rollout_id, state="running", last_attempt_id=ATTEMPT)
+        try:
+            transcript = self._run_harness(gateway, rollout_id, episode, policy)
+        except EnvironmentDown as error:
+            self._mark_failed(gateway, rollout_id, str(error))
+            raise
+        except Exception as error:
+            self._mark_failed(gateway, rollout_id, f"{type(error).__name__}: {error}")
+            raise
+        events = gateway.api("GET", f"/api/rollouts/{rollout_id}/events?event_type=model_request&format=triplet")
+        captured = _captured_calls(events, transcript["turns"])
+        calls = [ToolCall(c["name"], c["arguments"], c["result"]) for c in transcript["tool_calls"]]
+        score = family.score(item, Transcript(final_text=transcript["final_text"], tool_calls=calls))
+        finish = transcript["finish_reason"]
+        truncated = finish in ("length", "max_turns") and not score.success
+        gateway.api("POST", f"/api/rollouts/{rollout_id}/attempt/{ATTEMPT}/events", {
+            "event_type": "reward", "data": {"value": score.reward, "source": "reference-scorer",
+                                             "reason": score.outcome}})
+        self._patch(gateway, rollout_id, state="succeeded", last_attempt_id=ATTEMPT)
+        gateway.api("DELETE", f"/api/rollouts/{rollout_id}")  # read out: keep the in-memory store small
+        return EpisodeResult(
+            episode_id=episode.episode_id, task_id=episode.task_id, status="completed", reward=score.reward,
+            reward_components=dict(score.components), success=score.success,
+            outcome="truncated" if truncated else score.outcome, finish_reason=finish, turns=transcript["turns"],
+            final_text=transcript["final_text"],
+            tool_calls=[ToolCallRecord(name=c.name, arguments=c.arguments, result=c.result) for c in calls],
+            seconds=round(time.monotonic() - started, 3), captured_calls=captured)
+
+    def _run_harness(self, gateway: Gateway, rollout_id: str, episode: EpisodeSpec,
+                     policy: PolicyEndpoint) -> dict[str, Any]:
+        env = {**os.environ,
+               "OPENAI_BASE_URL": f"{gateway.url}/proxy/rollout/{rollout_id}/attempt/{ATTEMPT}/mode/train/openai/v1",
+               "OPENAI_API_KEY": gateway.key, "OPENAI_MODEL": policy.model}
+        task = {"family": episode.family, "item": episode.item, "max_turns": episode.max_turns}
+        process = subprocess.Popen([sys.executable, "-m", "runner_stack_lightning_verl.team_agent"], env=env,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, start_new_session=True)
+        with self._harness_lock:
+            self._harnesses.add(process)
+        try:
+            try:
+                out, err = process.communicate(json.dumps(task), timeout=self.harness_timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.communicate()
+                raise RuntimeError(f"team harness ran past {self.harness_timeout_s:.0f} s") from None
+        finally:
+            with self._harness_lock:
+                self._harnesses.discard(process)
+        if process.returncode < 0:
+            raise EnvironmentDown(f"team harness killed by signal {-process.returncode}")
+        if process.returncode != 0:
+            raise RuntimeError(f"team harness exited with {process.returncode}: {err.strip()[-1500:]}")
+        return json.loads(out.strip().splitlines()[-1])
+
+    def _patch(self, gateway: Gateway, rollout_id: str, **status: Any) -> None:
+        gateway.api("PATCH", f"/api/rollouts/{rollout_id}", {"status": status})
+
+    def _mark_failed(self, gateway: Gateway, rollout_id: str, message: str) -> None:
+        """Best effort: a store that went down with the gateway has lost the rollout anyway."""
+        try:
+            self._patch(gateway, rollout_id, state="failed", error_message=message[:500])
+        except (EnvironmentDown, StoreError):
+            pass
+
+
+def _captured_calls(events: list[dict[str, Any]], turns: int) -> list[CapturedCall] | None:
+    """The store's model calls of one rollout → CapturedCall list in call order; None when the policy server
+    returned no token data at all (a scripted policy), so the trainer falls back to the policy server's log."""
+    if len(events) != turns:
+        raise RuntimeError(f"agl-server captured {len(events)} model calls, the harness made {turns}")
+    calls = []
+    for event in events:
+        data = event["data"]
+        if data.get("status", "ok") != "ok":
+            raise RuntimeError(f"captured call failed upstream: HTTP {data.get('http_status')} {data.get('error')}")
+        calls.append((data.get("prompt_token_ids") or [], data.get("response_token_ids") or [],
+                      data.get("response_log_probs")))
+    if not any(prompt or completion for prompt, completion, _ in calls):
+        return None
+    out = []
+    for index, (prompt, completion, logprobs) in enumerate(calls):
+        if not prompt or logprobs is None or len(logprobs) != len(completion):
+            raise RuntimeError(f"captured call {index} lacks token data: {len(prompt)} prompt ids, "
+                               f"{len(completion)} sampled ids, logprobs {None if logprobs is None else len(logprobs)}")
+        out.append(CapturedCall(prompt_ids=list(prompt), completion_ids=list(completion), logprobs=list(logprobs)))
+    return out

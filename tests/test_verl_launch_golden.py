@@ -1,0 +1,72 @@
+"""Golden test of the lightning-verl arm's GPU launch: the verl GRPO command rendered from the calc-tool
+plan and a one-GPU vLLM profile. The renderer is stdlib-only, so this runs anywhere; composing the
+rendered overrides against verl's real config needs the stack environment (slow test below).
+Regenerate the golden file after a reviewed change with UPDATE_GOLDEN=1."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from runner._plan import load_plan
+from runner_contracts import freeze_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULE_PATH = ROOT / "stacks/lightning-verl/adapter/src/runner_stack_lightning_verl/verl_launch.py"
+GOLDEN = ROOT / "tests/golden/verl_launch_calc_tool_gpu.txt"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("verl_launch", MODULE_PATH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["verl_launch"] = module  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def _launch(module):
+    plan = msgspec.to_builtins(freeze_plan(load_plan(ROOT / "qualification/plans/calc-tool-cpu.yaml")))
+    profile = module.GpuProfile(gpus_per_node=1, nnodes=1, rollout_engine="vllm", tensor_parallel=1,
+                                gpu_memory_utilization=0.5)
+    return module.VerlLaunch.from_plan(plan, model_path="/ckpt/qwen2.5-0.5b-instruct",
+                                       agl_base_url="http://127.0.0.1:45123", checkpoint_dir="/run/stages/train/verl",
+                                       profile=profile)
+
+
+def test_golden_verl_launch_command_for_one_gpu():
+    module = _module()
+    command = _launch(module).command(python="python3", plan_path="/run/plan.json")
+    rendered = " \\\n  ".join([" ".join(command[:5]), *command[5:]]) + "\n"  # the program, then one override a line
+    if os.environ.get("UPDATE_GOLDEN"):
+        GOLDEN.write_text(rendered)
+    assert rendered == GOLDEN.read_text()
+
+
+@pytest.mark.slow
+def test_golden_overrides_compose_against_verl_config():
+    """Every rendered override names a key of verl 0.9.1's config (Hydra refuses unknown keys) and lands."""
+    from runner._engine import LocalEngine
+    from runner._stacks import get_stack
+
+    env = LocalEngine().prepare(get_stack("lightning-verl"))
+    overrides = _launch(_module()).overrides()
+    script = ("import json, sys; from omegaconf import OmegaConf; "
+              "from runner_stack_lightning_verl.verl_launch import compose; "
+              "c = compose(json.loads(sys.argv[1])); "
+              "print(json.dumps(OmegaConf.to_container(c.actor_rollout_ref.rollout, resolve=False) | "
+              "{'adv': c.algorithm.adv_estimator, 'batch': c.data.train_batch_size, "
+              "'steps': c.trainer.total_training_steps, 'agl': c.agentlightning.agl_base_url}))")
+    out = subprocess.run([str(env.python), "-c", script, json.dumps(overrides)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    composed = json.loads(out.stdout.splitlines()[-1])
+    assert (composed["adv"], composed["batch"], composed["steps"]) == ("grpo", 8, 8)
+    assert (composed["name"], composed["n"], composed["top_k"]) == ("vllm", 4, -1)
+    assert composed["temperature"] == 1.3 and composed["agl"] == "http://127.0.0.1:45123"
