@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
 ARMS = ["trl", "nemo-gym", "openenv", "verifiers", "lightning-verl"]
 RUNNER = str(Path(sys.executable).parent / "runner")
+GATEWAY_CAPTURE = "stack capture (gateway), audited against the policy server"
 
 pytestmark = pytest.mark.slow
 
@@ -57,12 +58,12 @@ def test_environment_arms_capture_every_call_and_lose_no_episode(comparison):
         if arm["stack"] == "trl":
             assert fidelity["token_source"] == "trainer's own sampled ids" and crash["applicable"] is False
             continue
-        assert fidelity["token_source"] == "policy server capture" and fidelity["policy_calls"] > 0
+        assert fidelity["token_source"] in ("policy server capture", GATEWAY_CAPTURE) and fidelity["policy_calls"] > 0
         assert fidelity["unattributed_calls"] == 0
         assert crash["faults_injected"] == 1 and crash["lost"] == 0 and crash["returned"] == crash["requested"]
         assert arm["isolation"]["foreign_packages_absent"] is True
     lightning = next(arm for arm in data["arms"] if arm["stack"] == "lightning-verl")
-    assert lightning["trace_fidelity"]["token_source"] == "stack capture (gateway), audited against the policy server"
+    assert lightning["trace_fidelity"]["token_source"] == GATEWAY_CAPTURE
 
 
 def test_comparison_carries_the_figures(comparison):
