@@ -12,9 +12,6 @@ from ._errors import UserError
 from ._html import render as render_html
 from ._report import load_run, summary
 
-ISOLATION = {
-    "local": "none (local engine: host network and filesystem)",
-}
 
 
 def _metrics(evidence: list[Evidence], stage: str) -> dict[str, Any]:
@@ -66,7 +63,7 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
         },
         "isolation": {
             "engine": environment.get("engine"),
-            "network_and_filesystem": ISOLATION.get(environment.get("engine") or "", "see evidence"),
+            "reach": probe.get("reach"),
             "foreign_packages_absent": _gate(evidence, "probe:no-foreign-packages"),
         },
         "time_to_first_reproducible_update_s": data.get("time_to_first_reproducible_update_s"),
@@ -115,7 +112,7 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         ("trained == sampled", [_cell(a["trace_fidelity"]["trained_equals_sampled"]) for a in arms]),
         ("resume after SIGKILL", [_cell(a["recovery"]["resume_passed"]) for a in arms]),
         ("injected env crash", [crash(a) for a in arms]),
-        ("isolation", [a["isolation"]["network_and_filesystem"] for a in arms]),
+        ("could reach", [_reach(a["isolation"]) for a in arms]),
         ("no foreign packages", [_cell(a["isolation"]["foreign_packages_absent"]) for a in arms]),
         ("first reproducible update (s)", [_cell(a["time_to_first_reproducible_update_s"]) for a in arms]),
         ("rollouts/s (train stage)", [_cell(a["throughput"]["rollouts_per_s"]) for a in arms]),
@@ -125,6 +122,17 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         ("retention (greedy)", [split(a, "retention") for a in arms]),
     ]
     return rows
+
+
+def _reach(isolation: dict[str, Any]) -> str:
+    """What the stack's processes could reach, as its probe measured it under the arm's engine."""
+    reach = isolation.get("reach")
+    if not reach:
+        return f"{isolation.get('engine')}: not measured"
+    network = f"internet ({reach['outbound_target']})" if reach["outbound_tcp"] else "no outbound network"
+    files = f"writes outside the run dir ({reach['write_target']})" if reach["write_outside_run_dir"] else \
+        "no writes outside the run dir"
+    return f"{isolation.get('engine')} engine: {network}; {files}"
 
 
 def _same_weights(arm: dict[str, Any], arms: list[dict[str, Any]]) -> str:

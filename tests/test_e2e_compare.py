@@ -73,6 +73,8 @@ def test_comparison_carries_the_figures(comparison):
         assert arm["throughput"]["rollouts_per_s"] > 0 and arm["throughput"]["policy_tokens_per_s"] > 0
         assert set(arm["evaluation"]) == {"heldout", "retention"}
         assert arm["recovery"]["resume_passed"] is True
+        # Measured by each stack's probe; the local engine isolates neither network nor filesystem.
+        assert set(arm["isolation"]["reach"]) >= {"outbound_tcp", "write_outside_run_dir"}
 
 
 def test_environment_arms_that_see_the_same_conversations_train_the_same_weights(comparison):

@@ -186,6 +186,27 @@ def environment_info(upstream_name: str, gpus: list[str] | None = None) -> Envir
     )
 
 
+def reachability(host: str = "pypi.org", port: int = 443) -> dict[str, Any]:
+    """What this process can reach beyond its run directory: an outbound TCP connection to a public host
+    and a write outside the working directory (both expected to fail inside an isolating engine)."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=3):
+            outbound = True
+    except OSError:
+        outbound = False
+    outside = Path("/tmp") / f".runner-isolation-probe-{os.getpid()}"  # the engine points TMPDIR into the run dir
+    try:
+        outside.write_text("probe")
+        outside.unlink()
+        writable = True
+    except OSError:
+        writable = False
+    return {"outbound_tcp": outbound, "outbound_target": f"{host}:{port}", "write_outside_run_dir": writable,
+            "write_target": str(outside.parent)}
+
+
 # --- running batches -----------------------------------------------------------------------------------
 
 
@@ -267,7 +288,7 @@ def adapter_main(backend: RolloutBackend, request: StageRequest) -> StageResult:
 def _probe(backend: RolloutBackend, request: StageRequest) -> StageResult:
     return StageResult(stage="probe", environment=environment_info(backend.upstream_name),
                        capabilities=list(backend.capabilities),
-                       metrics={"episode_id_channel": backend.episode_id_channel})
+                       metrics={"episode_id_channel": backend.episode_id_channel, "reach": reachability()})
 
 
 def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:

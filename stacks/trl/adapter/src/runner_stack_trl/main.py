@@ -49,11 +49,12 @@ def run(request: StageRequest) -> StageResult:
 def probe(request: StageRequest) -> StageResult:
     import torch
 
-    from qualification.rollout import environment_info
+    from qualification.rollout import environment_info, reachability
 
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return StageResult(stage="probe", environment=environment_info("trl", gpus), capabilities=CAPABILITIES,
-                       metrics={"torch": str(torch.__version__), "cuda_available": torch.cuda.is_available()})
+                       metrics={"torch": str(torch.__version__), "cuda_available": torch.cuda.is_available(),
+                                "reach": reachability()})
 
 
 def build_policy(request: StageRequest) -> StageResult:
