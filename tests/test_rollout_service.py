@@ -72,7 +72,7 @@ def test_environment_crash_mid_batch_loses_no_episode():
         with ScriptedPolicyServer(scripts) as policy:
             response = BatchRunner(backend).run(RolloutRequest(
                 episodes=episodes, policy_base_url=policy.base_url, sampling=SamplingSpec(), concurrency=3,
-                fault=FaultSpec(kill_environment_after_started=len(episodes) // 2)))
+                max_attempts=3, fault=FaultSpec(kill_environment_after_started=len(episodes) // 2)))
             retry_ids = {c["episode_id"] for c in policy.calls if c["wire_id"].endswith("~attempt-2")}
     finally:
         backend.stop()
@@ -80,7 +80,7 @@ def test_environment_crash_mid_batch_loses_no_episode():
     assert sorted(r.episode_id for r in response.results) == sorted(e.episode_id for e in episodes)
     retried = [r for r in response.results if r.attempts > 1]
     assert retried, "the crash hit no episode in flight"
-    assert all(r.status == "completed" and r.success == expected[r.episode_id] for r in retried)
+    assert all(r.status == "completed" and r.success == expected[r.episode_id] for r in retried), retried
     assert {r.episode_id for r in retried} <= retry_ids  # retries call the policy under their own attempt id
 
 

@@ -7,6 +7,7 @@ scaffold, policy server and trainer bridge are tested against, and the smallest 
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import urllib.error
@@ -71,22 +72,26 @@ class ReferenceBackend(RolloutBackend):
 
     def __init__(self) -> None:
         self.task_server: _TaskServer | None = None
+        self._lock = threading.Lock()
 
     def start(self) -> None:
         self.task_server = _TaskServer()
         self.task_server.server.start()
 
     def stop(self) -> None:
-        if self.task_server is not None:
-            self.task_server.server.stop()
-            self.task_server = None
+        with self._lock:  # detach first: a restart racing with this stop must see the server gone
+            server, self.task_server = self.task_server, None
+        if server is not None:
+            server.server.stop()
 
     def kill_environment(self) -> None:
         self.stop()
 
     def restart_environment(self) -> None:
-        if self.task_server is None:
-            self.start()
+        with self._lock:
+            if self.task_server is None:
+                self.task_server = _TaskServer()
+                self.task_server.server.start()
 
     def _env(self, path: str, body: dict[str, Any]) -> Any:
         server = self.task_server
@@ -94,8 +99,9 @@ class ReferenceBackend(RolloutBackend):
             raise EnvironmentDown("the task server is not running")
         try:
             return post_json(server.server.url + path, body, timeout=30)
-        except (urllib.error.URLError, ConnectionError) as error:
-            raise EnvironmentDown(f"task server unreachable: {error}") from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+            # Any transport failure, including a reply cut off by the server's shutdown, is the server's.
+            raise EnvironmentDown(f"task server unreachable: {type(error).__name__}: {error}") from None
         except HttpError as error:
             if error.status == 404:  # a restarted server has lost the episode's state
                 raise EnvironmentDown(str(error)) from None
