@@ -31,7 +31,7 @@ from runner_contracts import (
     StageResult,
 )
 
-from .grpo import Recorder, get_item_id, task_rows
+from .grpo import Recorder, get_item_id, task_rows, training_metrics
 from .policy_server import PolicyServer
 
 CONCURRENCY = 4
@@ -229,12 +229,8 @@ def train(request: StageRequest) -> StageResult:
     finally:
         recorder.close(ok)
         bridge.server.close(ok)
-    history = [entry for entry in trainer.state.log_history if "loss" in entry]
     return StageResult(stage=request.stage, files={**_files(), "checkpoints": "checkpoints"}, metrics={
-        "steps": recorder.steps, "batches": bridge.batches, "global_step": trainer.state.global_step,
-        "loss": [float(entry["loss"]) for entry in history],
-        "grad_norm": [float(entry.get("grad_norm", 0.0)) for entry in history],
-    })
+        "steps": recorder.steps, "batches": bridge.batches, **training_metrics(trainer)})
 
 
 def evaluate(request: StageRequest) -> StageResult:

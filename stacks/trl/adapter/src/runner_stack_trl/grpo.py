@@ -268,3 +268,10 @@ def build_trainer(plan: Plan, policy_dir: Path, output_dir: Path, *, steps: int,
         task_reward=task_reward,
     )
 
+
+def training_metrics(trainer) -> dict[str, Any]:
+    """Loss and gradient norm per logged optimizer step, and the step reached."""
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return {"loss": [float(entry["loss"]) for entry in history],
+            "grad_norm": [float(entry.get("grad_norm", 0.0)) for entry in history],
+            "global_step": trainer.state.global_step}

@@ -177,7 +177,7 @@ def rollout(request: StageRequest) -> StageResult:
 
 def train(request: StageRequest) -> StageResult:
     """K GRPO steps (update), or the full budget (train); checkpoints every step with a completeness marker."""
-    from .grpo import build_trainer
+    from .grpo import build_trainer, training_metrics
 
     steps = request.steps or (request.plan.gates.update_steps if request.stage == "update"
                               else request.plan.budget.steps)
@@ -197,14 +197,7 @@ def train(request: StageRequest) -> StageResult:
         ok = True
     finally:
         recorder.close(ok)
-    history = [entry for entry in trainer.state.log_history if "loss" in entry]
-    metrics = {
-        "steps": recorder.steps,
-        "loss": [float(entry["loss"]) for entry in history],
-        "grad_norm": [float(entry.get("grad_norm", 0.0)) for entry in history],
-        "global_step": trainer.state.global_step,
-    }
-    return StageResult(stage=request.stage, metrics=metrics,
+    return StageResult(stage=request.stage, metrics={"steps": recorder.steps, **training_metrics(trainer)},
                        files={"trajectories": "trajectories.jsonl", "training": "training.jsonl",
                               "checkpoints": "checkpoints"})
 
