@@ -18,6 +18,7 @@ from stack_checks import (
     PLAN,
     SAMPLING,
     assert_crash_mid_batch_loses_nothing,
+    assert_only_its_own_upstream,
     assert_scripted_results,
     assert_service_stage,
     installed_packages,
@@ -28,7 +29,7 @@ from qualification.continuity import chain_calls
 from qualification.scripted_policy import ScriptedPolicyServer
 from runner._engine import LocalEngine
 from runner._plan import load_plan
-from runner._stacks import all_stacks, get_stack
+from runner._stacks import get_stack
 from runner_contracts import CapturedCall, EpisodeSpec
 
 pytestmark = pytest.mark.slow
@@ -40,11 +41,8 @@ def env():
 
 
 def test_environment_has_agentlightning_and_verl_and_no_other_stack(env):
-    # stack_checks.assert_only_its_own_upstream counts verl as foreign; this stack pins it on purpose.
-    packages = installed_packages(env)
-    assert packages["agentlightning"] == "1.0.2" and packages["verl"] == "0.9.1"
-    foreign = {"torch", "openenv-core"} | {m.upstream.name for m in all_stacks().values() if m.name != "lightning-verl"}
-    assert not foreign & set(packages), foreign & set(packages)
+    assert_only_its_own_upstream(env)  # verl is this stack's own pin, torch is absent
+    assert installed_packages(env)["verl"] == "0.9.1"
 
 
 DRIVER = r"""

@@ -67,7 +67,8 @@ class PolicyServer:
         self._lock = threading.Lock()  # one generation at a time: CPU-bound, and the model is shared
         self._log_lock = threading.Lock()
         self._episodes: dict[str, _EpisodeHistory] = {}
-        self.calls: list[PolicyCall] = []
+        self._calls: dict[tuple[str | None, int], list[PolicyCall]] = {}  # (episode, attempt) -> calls in order
+        self._unattributed = 0
         self._server = JsonServer([
             ("GET", MODELS_PATH, lambda call: Reply(body=models_body(self.model_name))),
             ("POST", CHAT_PATH, self._chat),
@@ -89,7 +90,7 @@ class PolicyServer:
     def calls_of(self, episode_id: str, attempt: int = 1) -> list[PolicyCall]:
         """The calls of one attempt at an episode, in order."""
         with self._log_lock:
-            return [call for call in self.calls if call.episode_id == episode_id and call.attempt == attempt]
+            return list(self._calls.get((episode_id, attempt), ()))
 
     # --- sampling --------------------------------------------------------------------------------------
 
@@ -149,14 +150,17 @@ class PolicyServer:
 
     def _log(self, record: PolicyCall) -> None:
         with self._log_lock:
-            self.calls.append(record)
+            self._calls.setdefault((record.episode_id, record.attempt), []).append(record)
             self._writer.write(record)
             self._writer.flush()
 
     def _attribute(self, call: Call, endpoint: str) -> tuple[str, str]:
         episode, channel = episode_of(call)
         if episode is None:
-            self._log(PolicyCall(call_id=f"unattributed#{len(self.calls)}", episode_id=None, channel="none",
+            with self._log_lock:
+                self._unattributed += 1
+                number = self._unattributed
+            self._log(PolicyCall(call_id=f"unattributed#{number}", episode_id=None, channel="none",
                                  endpoint=endpoint, index_in_episode=0, policy_revision=self.revision,
                                  prompt_ids=[], completion_ids=[], logprobs=[], finish_reason="refused"))
             raise HttpError(400, "policy call cannot be attributed to an episode: send header X-Episode-ID, "
