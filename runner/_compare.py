@@ -63,6 +63,8 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
         },
         "isolation": {
             "engine": environment.get("engine"),
+            "image": environment.get("image"),
+            "image_digest": environment.get("image_digest"),
             "reach": probe.get("reach"),
             "foreign_packages_absent": _gate(evidence, "probe:no-foreign-packages"),
         },
@@ -132,7 +134,10 @@ def _reach(isolation: dict[str, Any]) -> str:
     network = f"internet ({reach['outbound_target']})" if reach["outbound_tcp"] else "no outbound network"
     files = f"writes outside the run dir ({reach['write_target']})" if reach["write_outside_run_dir"] else \
         "no writes outside the run dir"
-    return f"{isolation.get('engine')} engine: {network}; {files}"
+    inputs = "" if "write_inputs" not in reach else \
+        ("; inputs writable" if reach["write_inputs"] else "; inputs read-only")
+    image = f" {isolation['image']}" if isolation.get("image") else ""
+    return f"{isolation.get('engine')} engine{image}: {network}; {files}{inputs}"
 
 
 def _same_weights(arm: dict[str, Any], arms: list[dict[str, Any]]) -> str:

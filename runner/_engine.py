@@ -59,6 +59,8 @@ class StackEnvironment:
     path: Path
     python_version: str
     lock_sha256: str
+    image: str | None = None  # container engines: the image reference and its digest
+    image_digest: str | None = None
 
     @property
     def python(self) -> Path:
@@ -129,6 +131,16 @@ def _run_logged(cmd: list[str], log: Path, what: str) -> None:
         raise EngineError(f"{what} failed (exit {result.returncode}); log: {log}\n{tail}")
 
 
+def read_only_inputs(request: StageRequest) -> list[Path]:
+    """Host paths a job reads: the policy, a checkpoint to resume from, a trained policy to evaluate."""
+    paths = [Path(request.policy_dir)] if request.policy_dir else []
+    if request.resume_from:
+        paths.append(Path(request.resume_from))
+    if request.options.get("trained_policy"):
+        paths.append(Path(request.options["trained_policy"]))
+    return [path.resolve() for path in paths]
+
+
 def scrubbed_env(python_bin_dir: Path, home: Path) -> dict[str, str]:
     env = {key: os.environ[key] for key in PASSTHROUGH if key in os.environ}
     env.update(FIXED_ENV)
@@ -197,8 +209,9 @@ class LocalEngine:
                                 lock_sha256=manifest.lock_sha256)
 
     def run(self, env: StackEnvironment, request: StageRequest, *, timeout_s: float,
-            kill_when: Callable[[], bool] | None = None) -> RunOutcome:
-        """Runs the adapter on `request` in its output folder; kills the group on timeout or `kill_when()`."""
+            kill_when: Callable[[], bool] | None = None, peer: ServiceHandle | None = None) -> RunOutcome:
+        """Runs the adapter on `request` in its output folder; kills the group on timeout or `kill_when()`.
+        `peer` (the arm's rollout service) needs nothing here: both share the host's loopback."""
         out_dir = Path(request.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         request_path = write_record(out_dir / "request.json", request)

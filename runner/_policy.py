@@ -46,7 +46,7 @@ def build_tiny(engine: LocalEngine, recipe: dict[str, Any], plan: Plan, *, rebui
     key = _recipe_key(recipe, manifest)
     final = cache_dir() / "policies" / f"tiny-{key}"
     if (final / WEIGHTS).is_file() and not rebuild:
-        return final
+        return _readable(final)
     env = engine.prepare(manifest)
     final.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".tiny-{key}-", dir=final.parent))
@@ -64,7 +64,15 @@ def build_tiny(engine: LocalEngine, recipe: dict[str, Any], plan: Plan, *, rebui
             shutil.rmtree(work, ignore_errors=True)
         raise
     shutil.rmtree(work, ignore_errors=True)
-    return final
+    return _readable(final)
+
+
+def _readable(folder: Path) -> Path:
+    """World-readable files: container engines read the policy as a non-root user (safetensors writes 0600)."""
+    for path in folder.iterdir():
+        if path.is_file() and not path.stat().st_mode & 0o004:
+            path.chmod(path.stat().st_mode | 0o044)
+    return folder
 
 
 def resolve_policy(plan: Plan, engine: LocalEngine) -> Plan:

@@ -51,8 +51,11 @@ from runner_contracts import (
     write_record,
 )
 
+from ._container_engine import ContainerService
 from ._errors import EngineError
-from ._engine import LocalEngine, RunOutcome, ServiceHandle, StackEnvironment, last_error_lines
+from ._pins import check_pins
+from ._engine import RunOutcome, ServiceHandle, StackEnvironment, last_error_lines
+from ._engines import Engine
 from ._policy import vocab_size
 from ._stacks import StackManifest, all_stacks, get_stack, normalise
 
@@ -71,7 +74,7 @@ class Arm:
     `service_env` the stack's own, which serves rollouts to the trainer while the arm runs."""
 
     manifest: StackManifest
-    engine: LocalEngine
+    engine: Engine
     env: StackEnvironment
     plan: Plan
     run_dir: Path
@@ -80,7 +83,7 @@ class Arm:
     started: float = field(default_factory=time.monotonic)
     first_update_s: float | None = None
     service_env: StackEnvironment | None = None
-    service: ServiceHandle | None = None
+    service: ServiceHandle | ContainerService | None = None
 
     @property
     def run_id(self) -> str:
@@ -110,7 +113,7 @@ class Arm:
             self.service = None
 
 
-def prepare_arm(manifest: StackManifest, engine: LocalEngine, plan: Plan, run_dir: Path) -> Arm:
+def prepare_arm(manifest: StackManifest, engine: Engine, plan: Plan, run_dir: Path) -> Arm:
     """Environments for one arm: the stack's own, plus its trainer's for an environment stack."""
     if manifest.is_environment:
         trainer = get_stack(manifest.trainer or "")
@@ -156,7 +159,8 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
     request = StageRequest(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan=arm.plan,
                            out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir), steps=steps,
                            resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
-    outcome = arm.engine.run(env, request, timeout_s=arm.plan.budget.wall_clock_s, kill_when=kill_when)
+    peer = arm.service if arm.service_env is not None and not in_stack_env else None
+    outcome = arm.engine.run(env, request, timeout_s=arm.plan.budget.wall_clock_s, kill_when=kill_when, peer=peer)
     if not outcome.ok and not in_stack_env:
         # A trainer that died mid-batch leaves the rollout service working for a dead policy server
         # (some upstreams retry a refused connection forever): the next job gets a fresh service.
@@ -190,7 +194,8 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
     reported = result.environment
     installed = {normalise(name): version for name, version in reported.packages.items()}
     environment = msgspec.structs.replace(
-        reported, engine=arm.engine.name, lock_sha256=env.lock_sha256, packages=installed,
+        reported, engine=arm.engine.name, image=env.image, image_digest=env.image_digest,
+        lock_sha256=env.lock_sha256, packages=installed,
         deviations=list(manifest.deviations),
         upstream=reported.upstream and msgspec.structs.replace(
             reported.upstream, git_revision=manifest.upstream.git_revision))
@@ -211,11 +216,24 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
         GateResult(name=f"{prefix}:capabilities", passed=not missing_caps, measured=result.capabilities,
                    threshold=list(manifest.capabilities),
                    detail=f"missing: {missing_caps}" if missing_caps else "adapter reports every declared capability"),
+        _pins_gate(manifest, env, prefix),
         GateResult(name=f"{prefix}:no-foreign-packages", passed=not leaked, measured=leaked, threshold=[],
                    detail=(f"found {', '.join(leaked)}" if leaked else
                            f"no other stack's upstream{' and no torch' if manifest.is_environment else ''} installed")),
     ]
     return environment, result, gates
+
+
+def _pins_gate(manifest: StackManifest, env: StackEnvironment, prefix: str) -> GateResult:
+    """The environment was built from the stack's current lock, and the pin record agrees with it."""
+    drift = check_pins(manifest)
+    if env.lock_sha256 != manifest.lock_sha256:
+        drift.insert(0, f"{env.image or env.path} was built from lock {env.lock_sha256[:12]}, the stack's lock is "
+                        f"{manifest.lock_sha256[:12]}")
+    return GateResult(name=f"{prefix}:pins", passed=not drift, measured=len(drift), threshold=0,
+                      detail="; ".join(drift) if drift else
+                      f"built from the pinned lock {manifest.lock_sha256[:12]}"
+                      + (f"; image {env.image} ({env.image_digest})" if env.image else ""))
 
 
 def stage_probe(arm: Arm) -> StageOutput:

@@ -58,7 +58,7 @@ def parse_lock(path: Path) -> dict[str, str]:
         name, sep, version = line.partition("==")
         if not sep:
             raise UserError(f"{path}:{number}: expected 'name==version', got {raw!r}")
-        pins[normalise(name)] = version.split(";", 1)[0].strip()
+        pins[normalise(name)] = version.split(";", 1)[0].split()[0]  # drops " --hash=sha256:..." too
     return pins
 
 

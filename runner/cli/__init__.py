@@ -6,7 +6,7 @@ import signal
 
 import typer
 
-from . import compare, policy, qualify, report, stacks, tasks, validate
+from . import compare, images, pin, policy, qualify, report, stacks, tasks, validate
 
 app = typer.Typer(
     name="runner",
@@ -20,8 +20,10 @@ app = typer.Typer(
 app.add_typer(stacks.app, name="stacks")
 app.add_typer(policy.app, name="policy")
 app.add_typer(tasks.app, name="tasks")
+app.add_typer(images.app, name="images")
 app.command("qualify")(qualify.qualify)
 app.command("compare")(compare.compare)
+app.command("pin")(pin.pin)
 app.command("validate")(validate.validate)
 app.command("report")(report.report)
 

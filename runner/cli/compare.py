@@ -11,20 +11,22 @@ from rich.table import Table
 
 from .._compare import table_rows, write_comparison
 from .._engine import LocalEngine
+from .._engines import make_engine
 from .._errors import UserError
 from .._plan import load_plan
 from .._policy import resolve_policy
 from .._qualify import RECIPE_STAGES
 from .._stacks import get_stack
 from ._common import cli_errors, console, err_console, print_json
-from .qualify import ENGINES, run_arm_with_progress
+from .qualify import run_arm_with_progress
 
 
 def compare(
     stacks: str = typer.Option(..., "--stacks", help="Comma-separated stacks, e.g. trl,openenv,verifiers,nemo-gym."),
     plan_path: Path = typer.Option(..., "--plan", help="Plan file (YAML) every arm runs, e.g. "
                                                         "qualification/plans/calc-tool-cpu.yaml."),
-    engine: str = typer.Option("local", "--engine", help="Where the stacks run: local (per-stack virtualenvs)."),
+    engine: str = typer.Option("local", "--engine", help="Where the stacks run: local (per-stack virtualenvs), "
+                                                          "docker or podman (each stack's image)."),
     run_dir: Path = typer.Option(None, "--run-dir", help="Comparison directory (default: runs/<time>-compare-<plan>); "
                                                          "arms go to <run-dir>/arms/<stack>."),
     json_output: bool = typer.Option(False, "--json", help="Print comparison.json to stdout."),
@@ -39,22 +41,20 @@ def compare(
     Exit code 0 only if every arm passed every gate.
     """
     with cli_errors():
-        if engine not in ENGINES:
-            raise UserError(f"--engine {engine!r}: available engines are {', '.join(ENGINES)}")
         names = [name.strip() for name in stacks.split(",") if name.strip()]
         if len(names) < 2 or len(set(names)) != len(names):
             raise UserError(f"--stacks {stacks!r}: name two or more different stacks")
         manifests = [get_stack(name) for name in names]
         plan = load_plan(plan_path)
         log = (lambda message: err_console.print(f"[dim]{message}[/]")) if not json_output else (lambda m: None)
-        local = LocalEngine(log=log)
+        runner_engine = make_engine(engine, log=log)
         with err_console.status("preparing the policy"):
-            frozen = resolve_policy(plan, local)
+            frozen = resolve_policy(plan, LocalEngine(log=log))
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         target = (run_dir or Path("runs") / f"{stamp}-compare-{re.sub(r'[^A-Za-z0-9_.-]', '_', frozen.name)}").resolve()
         for manifest in manifests:
             stages = [s for s in manifest.stages if s in RECIPE_STAGES[frozen.recipe]]
-            run_arm_with_progress(manifest, local, frozen, target / "arms" / manifest.name, stages, quiet=json_output)
+            run_arm_with_progress(manifest, runner_engine, frozen, target / "arms" / manifest.name, stages, quiet=json_output)
         result = write_comparison(target, names)
         result["run_dir"] = str(target)
     if json_output:

@@ -11,6 +11,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from runner_contracts import Evidence, Plan, read_record
 
 from .._engine import LocalEngine
+from .._engines import ENGINES, Engine, make_engine
 from .._errors import UserError
 from .._plan import load_plan
 from .._policy import resolve_policy
@@ -18,9 +19,6 @@ from .._qualify import RECIPE_STAGES, STAGES, default_run_dir, prepare_arm, run_
 from .._report import gate_table, write_report
 from .._stacks import StackManifest, get_stack
 from ._common import cli_errors, console, err_console, print_json
-
-ENGINES = ("local",)
-
 
 def _parse_stages(text: str | None, available: tuple[str, ...]) -> list[str]:
     """Stages to run, in order: the requested ones, or every stage the stack and the recipe have."""
@@ -45,7 +43,7 @@ def check_run_dir(target: Path, plan: Plan) -> None:
                             f"{(plan.plan_id or '')[:12]}; arms with different plans are never mixed")
 
 
-def run_arm_with_progress(manifest: StackManifest, engine: LocalEngine, plan: Plan, target: Path,
+def run_arm_with_progress(manifest: StackManifest, engine: Engine, plan: Plan, target: Path,
                           selected: list[str], *, quiet: bool) -> tuple[list[Evidence], dict[str, Any]]:
     """Prepares and runs one arm with a progress line per stage; writes its report."""
     check_run_dir(target, plan)
@@ -71,7 +69,11 @@ def run_arm_with_progress(manifest: StackManifest, engine: LocalEngine, plan: Pl
 def qualify(
     stack: str = typer.Option(..., "--stack", help="Stack to qualify (see `runner stacks list`)."),
     plan_path: Path = typer.Option(..., "--plan", help="Plan file (YAML), e.g. qualification/plans/calc-tool-cpu.yaml."),
-    engine: str = typer.Option("local", "--engine", help="Where the stack runs: local (per-stack virtualenv)."),
+    engine: str = typer.Option("local", "--engine", help="Where the stack runs: local (per-stack virtualenv), "
+                                                          "docker or podman (the stack's image, built if missing)."),
+    image: str = typer.Option(None, "--image", help="Run this existing image of the stack instead of building one "
+                                                    "(container engines); the probe gate refuses it if it drifted "
+                                                    "from the stack's lock."),
     stages: str = typer.Option(None, "--stages", help="Comma-separated subset, e.g. probe,service. Default: all."),
     run_dir: Path = typer.Option(None, "--run-dir", help="Run directory (default: runs/<time>-<stack>-<plan>)."),
     json_output: bool = typer.Option(False, "--json", help="Print the run summary as JSON."),
@@ -84,17 +86,15 @@ def qualify(
     gate passed, 1 if a gate failed, 2 on bad input.
     """
     with cli_errors():
-        if engine not in ENGINES:
-            raise UserError(f"--engine {engine!r}: available engines are {', '.join(ENGINES)}")
         manifest = get_stack(stack)
         plan = load_plan(plan_path)
         selected = _parse_stages(stages, tuple(s for s in manifest.stages if s in RECIPE_STAGES[plan.recipe]))
         log = (lambda message: err_console.print(f"[dim]{message}[/]")) if not json_output else (lambda m: None)
-        local = LocalEngine(log=log)
-        with err_console.status(f"preparing the {stack} environment and the policy"):
-            frozen = resolve_policy(plan, local)
+        runner_engine = make_engine(engine, log=log, images={stack: image} if image else None)
+        with err_console.status("preparing the policy"):
+            frozen = resolve_policy(plan, LocalEngine(log=log))
         target = (run_dir or default_run_dir(stack, frozen)).resolve()
-        evidence, data = run_arm_with_progress(manifest, local, frozen, target, selected, quiet=json_output)
+        evidence, data = run_arm_with_progress(manifest, runner_engine, frozen, target, selected, quiet=json_output)
     if json_output:
         print_json(data)
     else:

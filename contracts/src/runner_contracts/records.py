@@ -66,6 +66,8 @@ class BudgetSpec(Record, kw_only=True):
     max_turns: Annotated[int, msgspec.Meta(ge=1)] = 3
     wall_clock_s: Annotated[float, msgspec.Meta(gt=0)] = 1800.0
     gpus: NonNegInt = 0
+    cpus: Annotated[float, msgspec.Meta(gt=0)] | None = None  # container engines: CPU limit per job
+    memory_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None  # container engines: memory limit per job
     learning_rate: Annotated[float, msgspec.Meta(gt=0)] = 1e-4
 
 

@@ -186,25 +186,35 @@ def environment_info(upstream_name: str, gpus: list[str] | None = None) -> Envir
     )
 
 
-def reachability(host: str = "pypi.org", port: int = 443) -> dict[str, Any]:
-    """What this process can reach beyond its run directory: an outbound TCP connection to a public host
-    and a write outside the working directory (both expected to fail inside an isolating engine)."""
+def reachability(read_only_inputs: list[str] | tuple[str, ...] = (), host: str = "pypi.org",
+                 port: int = 443) -> dict[str, Any]:
+    """What this process can reach beyond its run directory: an outbound TCP connection to a public host,
+    a write outside the working directory, and a write into its inputs (the policy), all expected to
+    fail inside an isolating engine. A probe file that could be created is removed at once."""
     import socket
+    import tempfile
 
     try:
         with socket.create_connection((host, port), timeout=3):
             outbound = True
     except OSError:
         outbound = False
-    outside = Path("/tmp") / f".runner-isolation-probe-{os.getpid()}"  # the engine points TMPDIR into the run dir
-    try:
-        outside.write_text("probe")
-        outside.unlink()
-        writable = True
-    except OSError:
-        writable = False
-    return {"outbound_tcp": outbound, "outbound_target": f"{host}:{port}", "write_outside_run_dir": writable,
-            "write_target": str(outside.parent)}
+
+    def can_write(folder: Path) -> bool:
+        try:
+            handle, name = tempfile.mkstemp(prefix=".runner-isolation-probe-", dir=folder)
+        except OSError:
+            return False
+        os.close(handle)
+        os.unlink(name)
+        return True
+
+    inputs = [Path(p) for p in read_only_inputs if Path(p).is_dir()]
+    return {"outbound_tcp": outbound, "outbound_target": f"{host}:{port}",
+            "write_outside_run_dir": can_write(Path("/tmp")),  # the engine points TMPDIR into the run dir
+            "write_target": "/tmp",
+            "write_inputs": any(can_write(folder) for folder in inputs),
+            "inputs": [str(folder) for folder in inputs]}
 
 
 # --- running batches -----------------------------------------------------------------------------------
@@ -288,7 +298,8 @@ def adapter_main(backend: RolloutBackend, request: StageRequest) -> StageResult:
 def _probe(backend: RolloutBackend, request: StageRequest) -> StageResult:
     return StageResult(stage="probe", environment=environment_info(backend.upstream_name),
                        capabilities=list(backend.capabilities),
-                       metrics={"episode_id_channel": backend.episode_id_channel, "reach": reachability()})
+                       metrics={"episode_id_channel": backend.episode_id_channel,
+                                "reach": reachability([request.policy_dir] if request.policy_dir else [])})
 
 
 def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:

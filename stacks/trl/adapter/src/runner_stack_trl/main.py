@@ -54,7 +54,7 @@ def probe(request: StageRequest) -> StageResult:
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return StageResult(stage="probe", environment=environment_info("trl", gpus), capabilities=CAPABILITIES,
                        metrics={"torch": str(torch.__version__), "cuda_available": torch.cuda.is_available(),
-                                "reach": reachability()})
+                                "reach": reachability([request.policy_dir] if request.policy_dir else [])})
 
 
 def build_policy(request: StageRequest) -> StageResult:

@@ -1,0 +1,182 @@
+"""Pins: each stack's lock (resolved by pip with hashes) and its pin record (stacks/<name>/pins.json):
+upstream name, version and git revision, Python version, the lock's sha256, and the images built from it.
+`check_pins` compares them without running anything."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import msgspec
+
+from runner_contracts import write_atomic
+
+from ._engine import find_python
+from ._errors import EngineError, UserError
+from ._stacks import StackManifest, normalise
+
+PIN_FILE = "pins.json"
+REQUIREMENTS = "requirements.in"
+
+
+class ImagePin(msgspec.Struct, kw_only=True):
+    engine: str
+    digest: str
+    lock_sha256: str
+    built_at: str
+
+
+class PinRecord(msgspec.Struct, kw_only=True):
+    stack: str
+    upstream: str
+    version: str
+    git_revision: str | None = None
+    python: str
+    lock_sha256: str
+    resolver: str
+    pinned_at: str
+    images: dict[str, ImagePin] = msgspec.field(default_factory=dict)
+
+
+def pin_path(manifest: StackManifest) -> Path:
+    return manifest.folder / PIN_FILE
+
+
+def read_pins(manifest: StackManifest) -> PinRecord | None:
+    path = pin_path(manifest)
+    if not path.is_file():
+        return None
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=PinRecord)
+    except msgspec.ValidationError as error:
+        raise UserError(f"{path}: {error}") from None
+    except msgspec.DecodeError as error:
+        raise UserError(f"{path}: not valid JSON ({error})") from None
+
+
+def write_pins(manifest: StackManifest, record: PinRecord) -> Path:
+    data = msgspec.json.format(msgspec.json.encode(record), indent=2) + b"\n"
+    return write_atomic(pin_path(manifest), data)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def record_lock(manifest: StackManifest, resolver: str) -> PinRecord:
+    """The pin record of the stack's current lock (image pins kept while they match the lock)."""
+    previous = read_pins(manifest)
+    images = {tag: pin for tag, pin in (previous.images if previous else {}).items()
+              if pin.lock_sha256 == manifest.lock_sha256}
+    record = PinRecord(stack=manifest.name, upstream=manifest.upstream.name, version=manifest.upstream.version,
+                       git_revision=manifest.upstream.git_revision, python=manifest.python,
+                       lock_sha256=manifest.lock_sha256, resolver=resolver, pinned_at=_now(), images=images)
+    write_pins(manifest, record)
+    return record
+
+
+def record_image(manifest: StackManifest, engine: str, tag: str, digest: str, lock_sha256: str) -> None:
+    """Adds a built image's digest to the pin record (the record is created if the stack has none)."""
+    record = read_pins(manifest) or record_lock(manifest, resolver="recorded from the existing lock")
+    record.images[tag] = ImagePin(engine=engine, digest=digest, lock_sha256=lock_sha256, built_at=_now())
+    write_pins(manifest, record)
+
+
+# --- resolving ---------------------------------------------------------------------------------------
+
+
+def resolve_lock(manifest: StackManifest, log=lambda message: None) -> PinRecord:
+    """Resolves requirements.in with pip's resolver on the stack's Python (no install: --dry-run
+    --report) and writes the lock with sha256 hashes, then the pin record."""
+    requirements = manifest.folder / REQUIREMENTS
+    if not requirements.is_file():
+        raise UserError(f"{requirements}: missing; list the stack's direct requirements there (name==version), "
+                        "or record the current lock with `runner pin --no-resolve`")
+    interpreter, python_version = find_python(manifest.python)
+    with tempfile.TemporaryDirectory(prefix=f"runner-pin-{manifest.name}-") as scratch:
+        venv, report = Path(scratch) / "venv", Path(scratch) / "report.json"
+        _run([str(interpreter), "-m", "venv", str(venv)], "creating a resolver virtualenv")
+        pip = [str(venv / "bin" / "python"), "-m", "pip"]
+        pip_version = _run([*pip, "--version"], "pip --version").split()[1]
+        log(f"resolving {requirements} with pip {pip_version} on Python {python_version}")
+        _run([*pip, "install", "--dry-run", "--ignore-installed", "--quiet", "--disable-pip-version-check",
+              "--report", str(report), *manifest.pip_args, "-r", str(requirements)], f"resolving {requirements}")
+        installs = json.loads(report.read_text())["install"]
+    lines = [f"# Lock for the {manifest.name} stack: written by `runner pin` from {REQUIREMENTS}",
+             f"# (pip {pip_version} resolver, Python {python_version}, {_now()}). Do not edit by hand.",
+             f"# Installed with: pip install --no-deps -r {manifest.lock.name}"]
+    for item in sorted(installs, key=lambda i: normalise(i["metadata"]["name"])):
+        lines.append(f"{item['metadata']['name']}=={item['metadata']['version']} --hash=sha256:{_sha256_of(item)}")
+    write_atomic(manifest.lock, ("\n".join(lines) + "\n").encode())
+    return record_lock(manifest, resolver=f"pip {pip_version} --dry-run --report, Python {python_version}")
+
+
+def _sha256_of(item: dict) -> str:
+    info = item.get("download_info", {})
+    hashes = info.get("archive_info", {}).get("hashes", {})
+    if "sha256" in hashes:
+        return hashes["sha256"]
+    url = urlparse(info.get("url", ""))
+    if url.scheme == "file":  # a wheel from a local find-links folder: pip reports no hash
+        with open(unquote(url.path), "rb") as handle:
+            return hashlib.file_digest(handle, "sha256").hexdigest()
+    raise EngineError(f"pip reported no sha256 for {item['metadata']['name']} ({info.get('url')}); "
+                      "a lock without a hash for every distribution cannot be installed in hash-checking mode")
+
+
+def _run(cmd: list[str], what: str) -> str:
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                            env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    if result.returncode != 0:
+        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-12:])
+        raise EngineError(f"{what} failed (exit {result.returncode}):\n{tail}")
+    return result.stdout
+
+
+# --- checking ----------------------------------------------------------------------------------------
+
+
+_REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?\s*==\s*([^\s;#]+)")
+
+
+def check_pins(manifest: StackManifest) -> list[str]:
+    """What drifted between the stack's files: stack.toml, requirements.in, the lock and pins.json.
+    Empty when they agree."""
+    record = read_pins(manifest)
+    where = pin_path(manifest)
+    if record is None:
+        return [f"{where}: missing; run `runner pin --stack {manifest.name}`"]
+    drift = []
+    locked = manifest.locked_packages()
+    expected = {"upstream": (record.upstream, manifest.upstream.name),
+                "version": (record.version, manifest.upstream.version),
+                "git_revision": (record.git_revision, manifest.upstream.git_revision),
+                "python": (record.python, manifest.python)}
+    drift += [f"{where}: {field} is {pinned!r}, stack.toml says {current!r}"
+              for field, (pinned, current) in expected.items() if pinned != current]
+    if record.lock_sha256 != manifest.lock_sha256:
+        drift.append(f"{manifest.lock}: sha256 {manifest.lock_sha256[:12]} differs from the pinned "
+                     f"{record.lock_sha256[:12]} (re-run `runner pin --stack {manifest.name}`)")
+    upstream = normalise(manifest.upstream.name)
+    if upstream in locked and locked[upstream] != manifest.upstream.version:
+        drift.append(f"{manifest.lock}: {upstream}=={locked[upstream]}, stack.toml pins {manifest.upstream.version}")
+    requirements = manifest.folder / REQUIREMENTS
+    if requirements.is_file():
+        for number, line in enumerate(requirements.read_text().splitlines(), start=1):
+            match = _REQUIREMENT.match(line)
+            if match is None:
+                continue
+            name, version = normalise(match.group(1)), match.group(2)
+            have = locked.get(name)
+            if have is None:
+                drift.append(f"{requirements}:{number}: {name}=={version} is not in the lock")
+            elif have != version:
+                drift.append(f"{requirements}:{number}: {name}=={version}, the lock has {have}")
+    return drift

@@ -1,0 +1,138 @@
+"""`runner images`: build, list and export the stack images the docker and podman engines run."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from .._apptainer import build_from_archive_command, build_from_definition_command, definition, run_build
+from .._errors import UserError
+from .._images import (
+    CONTAINER_ENGINES,
+    _build_context,
+    _context_inputs,
+    base_for,
+    build_stack_image,
+    connect,
+    extra_ca_certificates,
+    list_stack_images,
+    save_docker_archive,
+    stack_definition,
+    stack_image,
+)
+from .._pins import record_image
+from .._stacks import get_stack
+from ._common import cli_errors, console, err_console, print_json
+
+app = typer.Typer(help="Stack images for the docker and podman engines (and SIF files for Apptainer clusters).",
+                  no_args_is_help=True)
+
+ENGINE_HELP = "docker or podman (socket: DOCKER_HOST, or RUNNER_PODMAN_HOST / CONTAINER_HOST for podman)."
+
+
+def _engine(name: str):
+    if name not in CONTAINER_ENGINES:
+        raise UserError(f"--engine {name!r}: images are built by {', '.join(CONTAINER_ENGINES)}")
+    return connect(name)
+
+
+@app.command("build")
+def build(
+    stack: str = typer.Option(..., "--stack", help="Stack whose image to build (see `runner stacks list`)."),
+    engine: str = typer.Option("docker", "--engine", help=ENGINE_HELP),
+    flavour: str = typer.Option("cpu", "--base-flavour", help="cpu: a Debian base made here with debootstrap; "
+                                                               "gpu: the pinned CUDA image (needs a registry)."),
+    ca_cert: list[Path] = typer.Option(None, "--ca-cert", help="Extra CA certificate to trust inside the build "
+                                                               "(repeatable; default: RUNNER_EXTRA_CA_CERTS, else "
+                                                               "/usr/local/share/ca-certificates)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the image record as JSON."),
+) -> None:
+    """Build the stack's image unless one with the same content tag exists.
+
+    The tag is a hash of the image definition, the lock, the base, local wheels, CA certificates and our
+    sources, so an unchanged stack is never rebuilt and a changed lock always is. The digest is added to
+    the stack's pin record (stacks/<stack>/pins.json).
+    """
+    with cli_errors():
+        manifest = get_stack(stack)
+        client = _engine(engine)
+        with err_console.status(f"building the {stack} image"):
+            image = build_stack_image(client, manifest, flavour=flavour, certs=ca_cert or None,
+                                      log=lambda message: err_console.print(f"[dim]{message}[/]"))
+        record_image(manifest, engine, image.tag, image.digest, image.lock_sha256)
+    data = {"stack": image.stack, "tag": image.tag, "digest": image.digest, "python": image.python,
+            "lock_sha256": image.lock_sha256, "engine": engine}
+    if json_output:
+        print_json(data)
+    else:
+        console.print(f"{image.tag}  {image.digest}", highlight=False)
+
+
+@app.command("list")
+def list_images(
+    engine: str = typer.Option("docker", "--engine", help=ENGINE_HELP),
+    json_output: bool = typer.Option(False, "--json", help="Print the images as JSON."),
+) -> None:
+    """Stack images the engine holds, with their pins (from the image labels)."""
+    with cli_errors():
+        rows = list_stack_images(_engine(engine))
+    if json_output:
+        print_json(rows)
+        return
+    table = Table(title=f"stack images ({engine})")
+    for column in ("stack", "tag", "digest", "upstream", "lock", "MB"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["stack"], row["tag"], row["digest"][:19], row["upstream"], row["lock_sha256"][:12],
+                      str(row["size_mb"]))
+    console.print(table)
+
+
+@app.command("export")
+def export(
+    stack: str = typer.Option(..., "--stack", help="Stack whose image to export."),
+    to: str = typer.Option(..., "--to", help="sif (Apptainer image, via a docker-archive), docker-archive "
+                                             "(`docker save` tar) or def (Apptainer definition + build context)."),
+    out: Path = typer.Option(Path("images/out"), "--out", help="Folder for the exported files."),
+    engine: str = typer.Option("docker", "--engine", help=ENGINE_HELP),
+    image: str = typer.Option(None, "--image", help="Image to export (default: the stack's current image)."),
+    apptainer: str = typer.Option("apptainer", "--apptainer", help="Apptainer binary name (apptainer or singularity)."),
+) -> None:
+    """Export a stack image for clusters: a docker-archive, a SIF built from it, or a .def.
+
+    Without an Apptainer binary here, `--to sif` writes the archive and prints the build line to run
+    on a machine that has one (exit 2).
+    """
+    with cli_errors():
+        if to not in ("sif", "docker-archive", "def"):
+            raise UserError(f"--to {to!r}: expected sif, docker-archive or def")
+        manifest = get_stack(stack)
+        if to == "def":
+            base = base_for(manifest, "gpu")
+            inputs = _context_inputs(manifest, base.tag, extra_ca_certificates(None))
+            target = out / f"{stack}-def"
+            with _build_context(manifest, inputs) as context:
+                if target.exists():
+                    raise UserError(f"{target} exists; remove it or choose another --out")
+                import shutil
+
+                shutil.copytree(context, target)
+            (target / f"{stack}.def").write_text(definition(manifest, stack_definition(manifest),
+                                                            inputs["buildargs"]))
+            console.print(f"wrote {target / (stack + '.def')} and its build context; on the cluster:\n  "
+                          + shlex.join(build_from_definition_command(Path(f"{stack}.sif"), Path(f"{stack}.def"),
+                                                                     apptainer)), highlight=False)
+            return
+        client = _engine(engine)
+        if image is None:
+            image = build_stack_image(client, manifest, log=lambda message: err_console.print(f"[dim]{message}[/]")).tag
+        record = stack_image(client, image)
+        archive = save_docker_archive(client, record.tag, out / f"{record.tag.replace(':', '-')}.tar")
+        console.print(f"docker-archive: {archive}", highlight=False)
+        if to == "sif":
+            sif = archive.with_suffix(".sif")
+            run_build(build_from_archive_command(sif, archive, apptainer))
+            console.print(f"sif: {sif}", highlight=False)

@@ -1,0 +1,54 @@
+"""`runner pin`: resolve a stack's lock and write its pin record, or check that nothing drifted."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from .._pins import check_pins, record_lock, resolve_lock
+from .._stacks import all_stacks, get_stack
+from ._common import cli_errors, console, err_console, print_json
+
+
+def pin(
+    stack: str = typer.Option(None, "--stack", help="Stack to pin or check (default with --check: every stack)."),
+    check: bool = typer.Option(False, "--check", help="Only compare stack.toml, requirements.in, the lock and "
+                                                      "pins.json; exit 1 naming what drifted. Runs nothing."),
+    no_resolve: bool = typer.Option(False, "--no-resolve", help="Record the current lock as is (no resolver run)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Pin a stack: resolve stacks/<stack>/requirements.in into its lock (pip's resolver, sha256 hashes)
+    and write stacks/<stack>/pins.json (upstream, version, git revision, Python, lock sha256).
+
+    `runner images build` adds image digests to the same record; the probe gate of every engine compares
+    the running environment with the lock and fails on drift.
+    """
+    with cli_errors():
+        if check:
+            manifests = [get_stack(stack)] if stack else list(all_stacks().values())
+            drift = {manifest.name: check_pins(manifest) for manifest in manifests}
+            if json_output:
+                print_json({"drift": drift, "passed": not any(drift.values())})
+            else:
+                table = Table(title="pins")
+                table.add_column("stack")
+                table.add_column("drift")
+                for name, problems in drift.items():
+                    table.add_row(name, "\n".join(problems) or "[green]none[/]")
+                console.print(table)
+            raise typer.Exit(1 if any(drift.values()) else 0)
+        if not stack:
+            raise typer.BadParameter("name the stack to pin with --stack (or use --check)")
+        manifest = get_stack(stack)
+        if no_resolve:
+            record = record_lock(manifest, resolver="recorded from the existing lock")
+        else:
+            with err_console.status(f"resolving the {stack} lock"):
+                record = resolve_lock(manifest, log=lambda message: err_console.print(f"[dim]{message}[/]"))
+    import msgspec
+
+    if json_output:
+        print_json(msgspec.to_builtins(record))
+    else:
+        console.print(f"{manifest.lock} ({len(manifest.locked_packages())} pins, sha256 {record.lock_sha256[:12]}) "
+                      f"and {manifest.folder / 'pins.json'} written", highlight=False)

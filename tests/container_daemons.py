@@ -1,0 +1,100 @@
+"""Container engines the tests start themselves: a Docker Engine (dockerd) and Podman's Docker-compatible
+service, each on its own socket in a scratch folder, stopped through the pid we started.
+
+Their image stores live under the runner cache (RUNNER_CACHE_DIR or ~/.cache/runner: docker/, podman/),
+so images built by one test session are reused by the next; a lock file keeps two sessions from sharing
+one store at once. Facts these settings rest on (no bridge, runc for podman, explicit ulimits) are in
+../shared/FIELD-NOTES.md."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from runner._paths import cache_dir
+
+
+def missing(*binaries: str) -> str | None:
+    """Why these engines cannot be started here, or None."""
+    absent = [name for name in binaries if shutil.which(name) is None]
+    if absent:
+        return f"{', '.join(absent)} not installed (`make test` installs Debian's docker.io, podman, debootstrap)"
+    if os.geteuid() != 0:
+        return "starting dockerd/podman and debootstrap need root"
+    return None
+
+
+@contextlib.contextmanager
+def _store_lock(store: Path) -> Iterator[None]:
+    store.mkdir(parents=True, exist_ok=True)
+    with open(store.parent / f".{store.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _wait_for_socket(process: subprocess.Popen, socket: Path, log: Path, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not socket.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start: {log.read_text(errors='replace')[-2000:]}")
+        time.sleep(0.1)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def docker_daemon() -> Iterator[str]:
+    """A dockerd on its own unix socket; yields the DOCKER_HOST url."""
+    store = cache_dir() / "docker"
+    with _store_lock(store), tempfile.TemporaryDirectory(prefix="rd-", dir="/tmp") as scratch:
+        socket, log = Path(scratch) / "docker.sock", Path(scratch) / "dockerd.log"
+        cmd = ["dockerd", "-H", f"unix://{socket}", "--data-root", str(store), "--exec-root", f"{scratch}/exec",
+               "--pidfile", f"{scratch}/docker.pid", "--iptables=false", "--ip6tables=false", "--bridge=none",
+               "--storage-driver=overlay2"]
+        with open(log, "wb") as handle:
+            process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_for_socket(process, socket, log, "dockerd")
+            yield f"unix://{socket}"
+        finally:
+            _stop(process)
+
+
+@contextlib.contextmanager
+def podman_service() -> Iterator[str]:
+    """`podman system service` on its own unix socket (runc, cgroupfs, explicit ulimits); yields its url."""
+    store = cache_dir() / "podman"
+    with _store_lock(store), tempfile.TemporaryDirectory(prefix="rp-", dir="/tmp") as scratch:
+        socket, log, conf = Path(scratch) / "podman.sock", Path(scratch) / "podman.log", Path(scratch) / "containers.conf"
+        hard_nofile = int(subprocess.run(["sh", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout.strip())
+        nofile = min(hard_nofile, 65536)
+        conf.write_text("[containers]\n"
+                        f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n'
+                        "[engine]\n"
+                        'runtime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n')
+        cmd = ["podman", "--root", str(store / "storage"), "--runroot", f"{scratch}/run", "system", "service",
+               "--time=0", f"unix://{socket}"]
+        with open(log, "wb") as handle:
+            process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
+                                       env={**os.environ, "CONTAINERS_CONF": str(conf)})
+        try:
+            _wait_for_socket(process, socket, log, "podman system service")
+            yield f"unix://{socket}"
+        finally:
+            _stop(process)

@@ -1,0 +1,92 @@
+"""Golden tests of the Apptainer engine's rendered lines and definition file. There is no Apptainer
+binary on these machines (none in Debian or on PyPI), so what a cluster would run is compared with
+reviewed expected files under tests/golden/. Regenerate after a reviewed change with UPDATE_GOLDEN=1."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from runner._apptainer import (
+    build_from_archive_command,
+    build_from_definition_command,
+    definition,
+    exec_command,
+    job_for_request,
+    run_build,
+)
+from runner._errors import EngineError
+from runner._images import STACK_DEFINITION
+from runner._plan import load_plan
+from runner._stacks import get_stack
+from runner_contracts import StageRequest, freeze_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden"
+
+
+def matches_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.read_text() == text, f"{name} differs from the reviewed golden file (UPDATE_GOLDEN=1 to accept)"
+
+
+def request(stage: str, gpus: int, **fields) -> StageRequest:
+    plan = freeze_plan(load_plan(ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"))
+    plan = msgspec.structs.replace(plan, budget=msgspec.structs.replace(plan.budget, gpus=gpus))
+    return StageRequest(run_id="r1", stack="trl", stage=stage, plan=plan, out_dir=f"/scratch/runs/r1/stages/{stage}",
+                        policy_dir="/shared/ckpt/qwen2.5-0.5b", **fields)
+
+
+def rendered(stage: str, gpus: int, binary: str = "apptainer", **fields) -> str:
+    """The exec line, one option (with its value) per line, as a reviewer reads it."""
+    job = job_for_request(get_stack("trl"), request(stage, gpus, **fields), Path("/shared/sif/trl-abc.sif"),
+                          Path("/scratch/runs/r1"), binary=binary)
+    parts, lines = exec_command(job), []
+    while parts:
+        take = 2 if parts[0] in ("--bind", "--env", "--pwd") or len(lines) == 0 else 1
+        lines.append(" ".join(shlex.quote(p) for p in parts[:take]))
+        parts = parts[take:]
+    return " \\\n  ".join(lines) + "\n"
+
+
+def test_golden_exec_line_gpu_update():
+    """GPU job: --nv, --containall, --cleanenv, run dir rw, policy ro, allow-listed environment."""
+    line = rendered("update", gpus=1)
+    for flag in ("--containall", "--cleanenv", "--nv", "--bind /scratch/runs/r1:/scratch/runs/r1:rw",
+                 "--bind /shared/ckpt/qwen2.5-0.5b:/shared/ckpt/qwen2.5-0.5b:ro"):
+        assert flag in line
+    matches_golden("apptainer_exec_gpu_update.txt", line)
+
+
+def test_golden_exec_line_cpu_resume_with_singularity_binary():
+    """CPU job (no --nv), the binary named `singularity`; a checkpoint inside the run dir needs no extra bind."""
+    line = rendered("train", gpus=0, binary="singularity",
+                    resume_from="/scratch/runs/r1/stages/resume/interrupted/checkpoints/checkpoint-1")
+    assert line.startswith("singularity exec \\\n") and "--nv" not in line
+    matches_golden("apptainer_exec_cpu_resume.txt", line)
+
+
+def test_golden_build_lines():
+    archive = build_from_archive_command(Path("/shared/sif/trl-abc.sif"), Path("/shared/images/runner-trl-abc.tar"))
+    from_def = build_from_definition_command(Path("trl.sif"), Path("trl.def"), binary="singularity")
+    matches_golden("apptainer_build.txt", shlex.join(archive) + "\n" + shlex.join(from_def) + "\n")
+
+
+def test_golden_definition_file_of_the_trl_image():
+    buildargs = {"BASE": "runner-base:gpu-cuda12-0123456789abcdef", "STACK": "trl", "UPSTREAM": "trl",
+                 "UPSTREAM_VERSION": "1.16.0", "UPSTREAM_REVISION": "", "PYTHON": "3.11",
+                 "LOCK_SHA256": "5a532966676c4b10917d6a13f2e501e119040fccf7bfc2aa8b8efe0b2b6e6769", "PIP_ARGS": ""}
+    text = definition(get_stack("trl"), STACK_DEFINITION, buildargs)
+    assert "From: runner-base:gpu-cuda12-0123456789abcdef" in text and "%post" in text and "%labels" in text
+    matches_golden("apptainer_trl.def", text)
+
+
+def test_sif_build_without_apptainer_says_what_to_run():
+    with pytest.raises(EngineError, match="not installed here; on a machine that has it, run:"):
+        run_build(["apptainer-not-installed", "build", "x.sif", "docker-archive:///x.tar"])

@@ -1,0 +1,155 @@
+"""The docker and podman engines against real engines started by the test harness (tests/container_daemons.py):
+the trl stack's image built from a debootstrapped Debian base, a full qualification in it, token identity
+with the local engine, isolation, and drift of a pinned version without a rebuild.
+
+Slow: the first run makes the base (~40 s) and the trl image (~1.5 min); both are cached (image stores
+under the runner cache) and reused by later runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from container_daemons import docker_daemon, missing, podman_service
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
+RUNNER = str(Path(sys.executable).parent / "runner")
+
+pytestmark = pytest.mark.slow
+
+
+def runner(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([RUNNER, *args], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "400", **(env or {})})
+
+
+def checked(result: subprocess.CompletedProcess) -> dict:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return json.loads(result.stdout)
+
+
+def copy_stacks(target: Path) -> Path:
+    """The stack folders, copied: `images build` records digests in pins.json, and the repository stays clean.
+    Same contents, same image tags."""
+    shutil.copytree(ROOT / "stacks", target, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    return target
+
+
+@pytest.fixture(scope="module")
+def docker_host(tmp_path_factory):
+    """DOCKER_HOST of a dockerd started for this module, and RUNNER_STACKS_DIR of a copy of the stacks."""
+    reason = missing("dockerd", "debootstrap")
+    if reason:
+        pytest.skip(f"no Docker Engine for the container tests: {reason}")
+    with docker_daemon() as url:
+        yield {"DOCKER_HOST": url, "RUNNER_STACKS_DIR": str(copy_stacks(tmp_path_factory.mktemp("d") / "stacks"))}
+
+
+@pytest.fixture(scope="module")
+def trl_image(docker_host) -> dict:
+    return checked(runner("images", "build", "--stack", "trl", "--engine", "docker", "--json", env=docker_host))
+
+
+@pytest.fixture(scope="module")
+def docker_run(docker_host, trl_image, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("docker") / "trl"
+    result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--engine", "docker", "--run-dir",
+                    str(run_dir), "--json", env=docker_host)
+    summary = json.loads(result.stdout)
+    assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}\n{result.stderr[-3000:]}"
+    return run_dir
+
+
+def evidence(run_dir: Path, stage: str) -> dict:
+    return json.loads((run_dir / "stages" / stage / "evidence.json").read_text())
+
+
+def test_image_is_tagged_by_content_and_not_rebuilt(docker_host, trl_image):
+    assert trl_image["tag"].startswith("runner-trl:") and trl_image["digest"].startswith("sha256:")
+    again = runner("images", "build", "--stack", "trl", "--engine", "docker", "--json", env=docker_host)
+    assert checked(again)["digest"] == trl_image["digest"]
+    assert "building" not in again.stderr, again.stderr
+    listed = checked(runner("images", "list", "--engine", "docker", "--json", env=docker_host))
+    row = next(r for r in listed if r["tag"] == trl_image["tag"])
+    assert row["upstream"] == "trl==1.16.0" and row["lock_sha256"] == trl_image["lock_sha256"]
+    pins = json.loads((Path(docker_host["RUNNER_STACKS_DIR"]) / "trl" / "pins.json").read_text())
+    assert pins["images"][trl_image["tag"]]["digest"] == trl_image["digest"]
+
+
+def test_qualify_in_docker_passes_every_gate_with_image_evidence(docker_run, trl_image):
+    summary = json.loads((docker_run / "summary.json").read_text())
+    assert set(summary["stages"].values()) == {"passed"}, summary["stages"]
+    environment = evidence(docker_run, "probe")["environment"]
+    assert environment["engine"] == "docker"
+    assert (environment["image"], environment["image_digest"]) == (trl_image["tag"], trl_image["digest"])
+    assert environment["packages"]["trl"] == "1.16.0" and environment["packages"]["torch"].startswith("2.13.0")
+    gates = {g["name"]: g for g in evidence(docker_run, "probe")["gates"]}
+    assert gates["probe:pins"]["passed"] and trl_image["digest"] in gates["probe:pins"]["detail"]
+
+
+def test_container_isolation_blocks_network_and_input_writes(docker_run):
+    """Measured inside the stack's container by its probe: no outbound connection, the policy (a
+    read-only input) cannot be written, nothing outside the run directory either."""
+    reach = evidence(docker_run, "probe")["metrics"]["reach"]
+    assert reach["inputs"], "the probe must have tried to write into the policy folder"
+    assert reach["outbound_tcp"] is False
+    assert reach["write_inputs"] is False
+    assert reach["write_outside_run_dir"] is False
+
+
+def test_docker_trajectories_are_token_identical_to_the_local_engine(docker_run, tmp_path):
+    local = tmp_path / "local"
+    result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--stages", "probe,rollout",
+                    "--run-dir", str(local), "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert evidence(local, "probe")["metrics"]["reach"]["write_inputs"] is True  # the local engine isolates nothing
+
+    def tokens(run_dir: Path) -> dict[str, list]:
+        lines = (run_dir / "stages" / "rollout" / "trajectories.jsonl").read_text().splitlines()
+        return {r["episode_id"]: [s["token_ids"] for s in r["segments"]] for r in map(json.loads, lines)}
+
+    in_docker, on_host = tokens(docker_run), tokens(local)
+    assert len(in_docker) == 32 and in_docker == on_host
+
+
+def test_changed_pin_without_rebuild_fails_the_probe_naming_the_package(docker_host, trl_image, tmp_path):
+    stacks = copy_stacks(tmp_path / "stacks")
+    lock = stacks / "trl" / "requirements.lock"
+    lock.write_text(lock.read_text().replace("PyYAML==6.0.4", "PyYAML==6.0.3"))
+    env = {**docker_host, "RUNNER_STACKS_DIR": str(stacks)}
+
+    check = runner("pin", "--check", "--stack", "trl", "--json", env=env)
+    assert check.returncode == 1
+    assert any("sha256" in line for line in json.loads(check.stdout)["drift"]["trl"])
+
+    result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--engine", "docker", "--image",
+                    trl_image["tag"], "--stages", "probe", "--run-dir", str(tmp_path / "run"), "--json", env=env)
+    assert result.returncode == 1, result.stderr[-2000:]
+    gates = {g["name"]: g for g in evidence(tmp_path / "run", "probe")["gates"]}
+    assert not gates["probe:lock-match"]["passed"]
+    assert "pyyaml: locked 6.0.3, installed 6.0.4" in gates["probe:lock-match"]["detail"]
+    assert not gates["probe:pins"]["passed"] and "was built from lock" in gates["probe:pins"]["detail"]
+
+
+def test_podman_engine_runs_the_same_image_definition(tmp_path):
+    reason = missing("podman", "debootstrap")
+    if reason:
+        pytest.skip(f"no Podman for the container tests: {reason}")
+    with podman_service() as url:
+        env = {"RUNNER_PODMAN_HOST": url, "RUNNER_STACKS_DIR": str(copy_stacks(tmp_path / "stacks"))}
+        image = checked(runner("images", "build", "--stack", "trl", "--engine", "podman", "--json", env=env))
+        run_dir = tmp_path / "podman"
+        result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--engine", "podman", "--stages",
+                        "probe,service,rollout", "--run-dir", str(run_dir), "--json", env=env)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    probe = evidence(run_dir, "probe")
+    assert probe["environment"]["engine"] == "podman" and probe["environment"]["image_digest"] == image["digest"]
+    reach = probe["metrics"]["reach"]
+    assert (reach["outbound_tcp"], reach["write_inputs"], reach["write_outside_run_dir"]) == (False, False, False)
