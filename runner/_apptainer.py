@@ -16,9 +16,23 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runner_contracts import StageRequest
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
-from ._engine import FIXED_ENV, read_only_inputs
+from runner_contracts import StageRequest, sha256_file, write_record
+
+from ._engine import (
+    FIXED_ENV,
+    RunOutcome,
+    ServiceHandle,
+    StackEnvironment,
+    read_only_inputs,
+    run_dir_of,
+    run_process,
+    start_process_service,
+)
+from ._paths import cache_dir
 from ._errors import EngineError
 from ._stacks import StackManifest
 
@@ -53,6 +67,54 @@ def job_for_request(manifest: StackManifest, request: StageRequest, sif: Path, r
     return ApptainerJob(sif=sif, adapter=manifest.adapter, request=out_dir / "request.json", workdir=out_dir,
                         writable=(run_dir,), read_only=inputs, environment=environment,
                         gpus=request.plan.budget.gpus, binary=binary)
+
+
+class ApptainerEngine:
+    """Stack SIFs run with `apptainer exec` on this node (a cluster's compute node under the Slurm executor).
+
+    The SIF of stack S is <sif dir>/S.sif (`runner images export --stack S --to sif`); the binary, SIF
+    folder and extra read-only binds come from RUNNER_APPTAINER, RUNNER_SIF_DIR and
+    RUNNER_APPTAINER_BINDS, which the Slurm executor exports from the cluster profile. Network
+    isolation under Apptainer is the site's (`--net --network none` needs privileges); the probe
+    measures and records what a job could reach."""
+
+    name = "apptainer"
+
+    def __init__(self, *, log: Callable[[str], None] = lambda message: None):
+        self.binary = os.environ.get("RUNNER_APPTAINER", "apptainer")
+        self.sif_dir = Path(os.environ.get("RUNNER_SIF_DIR") or cache_dir() / "sif")
+        self.binds = tuple(Path(p) for p in os.environ.get("RUNNER_APPTAINER_BINDS", "").split(":") if p)
+        self.log = log
+
+    def prepare(self, manifest: StackManifest) -> StackEnvironment:
+        sif = self.sif_dir / f"{manifest.name}.sif"
+        if shutil.which(self.binary) is None:
+            raise EngineError(f"{self.binary} is not installed on this node (RUNNER_APPTAINER names the binary)")
+        if not sif.is_file():
+            raise EngineError(f"no SIF for {manifest.name} at {sif}; make it with `runner images export --stack "
+                              f"{manifest.name} --to sif --out {self.sif_dir}`")
+        return StackEnvironment(manifest=manifest, path=Path(STACK_PYTHON).parents[1], python_version=manifest.python,
+                                lock_sha256=manifest.lock_sha256, image=str(sif), image_digest="sha256:" + sha256_file(sif))
+
+    def _command(self, env: StackEnvironment, request: StageRequest) -> tuple[list[str], Path]:
+        out_dir = Path(request.out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_record(out_dir / "request.json", request)
+        job = job_for_request(env.manifest, request, Path(env.image or ""), run_dir_of(out_dir), binary=self.binary)
+        job = replace(job, read_only=job.read_only + self.binds)
+        return exec_command(job), out_dir
+
+    def run(self, env: StackEnvironment, request: StageRequest, *, timeout_s: float,
+            kill_when: Callable[[], bool] | None = None, peer: Any = None) -> RunOutcome:
+        cmd, out_dir = self._command(env, request)
+        return run_process(cmd, out_dir, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}, timeout_s=timeout_s,
+                           kill_when=kill_when)
+
+    def start_service(self, env: StackEnvironment, request: StageRequest, *, ready_timeout_s: float = 300.0,
+                      ) -> ServiceHandle:
+        cmd, out_dir = self._command(env, request)
+        return start_process_service(cmd, out_dir, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                                     what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s)
 
 
 def _client():

@@ -22,7 +22,7 @@ from typing import Any
 
 from runner_contracts import StageRequest, write_record
 
-from ._engine import RunOutcome, StackEnvironment, last_error_lines, read_only_inputs, scrubbed_env
+from ._engine import RunOutcome, StackEnvironment, last_error_lines, read_only_inputs, run_dir_of, scrubbed_env
 from ._errors import EngineError
 from ._images import StackImage, build_stack_image, connect, stack_image
 from ._stacks import StackManifest
@@ -110,7 +110,7 @@ class ContainerEngine:
         out_dir = Path(request.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         request_path = write_record(out_dir / "request.json", request)
-        run_dir = _run_dir_of(out_dir)
+        run_dir = run_dir_of(out_dir)
         environment = scrubbed_env(STACK_PREFIX / "bin", out_dir / ".home")
         environment = {key: value for key, value in environment.items() if not key.startswith("PIP_")}
         user = _container_user()
@@ -125,6 +125,8 @@ class ContainerEngine:
         options: dict[str, Any] = dict(
             image=env.image, command=[env.manifest.adapter, str(request_path)], working_dir=str(out_dir),
             environment=environment, user=user, volumes=volumes, read_only=True,
+            # Podman mounts writable tmpfs on /tmp and /var/tmp of a read-only container; these stay read-only.
+            tmpfs={"/tmp": "ro,size=64k", "/var/tmp": "ro,size=64k"},
             network_mode=f"container:{peer.container.id}" if peer is not None else "none",
             cap_drop=["ALL"], security_opt=["no-new-privileges"],
             labels={"runner.run-id": request.run_id, "runner.stage": request.stage, "runner.stack": request.stack,
@@ -204,14 +206,6 @@ class _Waiter(threading.Thread):
 def environment_of(manifest: StackManifest, image: StackImage) -> StackEnvironment:
     return StackEnvironment(manifest=manifest, path=STACK_PREFIX, python_version=image.python,
                             lock_sha256=image.lock_sha256, image=image.tag, image_digest=image.digest)
-
-
-def _run_dir_of(out_dir: Path) -> Path:
-    """The arm's run directory (the folder holding plan.json above the stage folder)."""
-    for parent in [out_dir, *out_dir.parents]:
-        if (parent / "plan.json").is_file():
-            return parent.resolve()
-    return out_dir.resolve()
 
 
 def _check_readable(folder: Path, user: str) -> None:

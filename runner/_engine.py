@@ -141,6 +141,14 @@ def read_only_inputs(request: StageRequest) -> list[Path]:
     return [path.resolve() for path in paths]
 
 
+def run_dir_of(out_dir: Path) -> Path:
+    """The arm's run directory (the folder holding plan.json above the stage folder)."""
+    for parent in [out_dir, *out_dir.parents]:
+        if (parent / "plan.json").is_file():
+            return parent.resolve()
+    return out_dir.resolve()
+
+
 def scrubbed_env(python_bin_dir: Path, home: Path) -> dict[str, str]:
     env = {key: os.environ[key] for key in PASSTHROUGH if key in os.environ}
     env.update(FIXED_ENV)
@@ -215,61 +223,73 @@ class LocalEngine:
         out_dir = Path(request.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         request_path = write_record(out_dir / "request.json", request)
-        stdout, stderr = out_dir / "stdout.log", out_dir / "stderr.log"
         cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
-        started = time.monotonic()
-        killed = timed_out = False
-        with open(stdout, "wb") as out, open(stderr, "wb") as err:
-            process = subprocess.Popen(cmd, cwd=out_dir, env=scrubbed_env(env.path / "bin", out_dir / ".home"),
-                                       stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
-                                       preexec_fn=_die_with_parent)
-            try:
-                while True:
-                    try:
-                        process.wait(timeout=0.05)
-                        break
-                    except subprocess.TimeoutExpired:
-                        pass
-                    if kill_when is not None and kill_when():
-                        killed = True
-                        _kill_group(process)
-                    elif time.monotonic() - started > timeout_s:
-                        timed_out = True
-                        _kill_group(process)
-            except BaseException:
-                _kill_group(process)
-                raise
-        shutil.rmtree(out_dir / ".home", ignore_errors=True)
-        return RunOutcome(exit_code=process.returncode, killed=killed, timed_out=timed_out,
-                          seconds=time.monotonic() - started, stdout=stdout, stderr=stderr)
-
+        return run_process(cmd, out_dir, scrubbed_env(env.path / "bin", out_dir / ".home"), timeout_s=timeout_s,
+                           kill_when=kill_when)
 
     def start_service(self, env: StackEnvironment, request: StageRequest, *, ready_timeout_s: float = 300.0,
                       ) -> ServiceHandle:
         """Starts the adapter's long-running `serve` job and waits for its service.json (url, pid)."""
         out_dir = Path(request.out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
-        ready = out_dir / "service.json"
-        ready.unlink(missing_ok=True)
         request_path = write_record(out_dir / "request.json", request)
         cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
-        stdout, stderr = open(out_dir / "stdout.log", "wb"), open(out_dir / "stderr.log", "wb")
-        process = subprocess.Popen(cmd, cwd=out_dir, env=scrubbed_env(env.path / "bin", out_dir / ".home"),
-                                   stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True,
-                                   preexec_fn=_die_with_parent)
-        stdout.close()
-        stderr.close()
-        handle = ServiceHandle(process=process, out_dir=out_dir, url="")
-        deadline = time.monotonic() + ready_timeout_s
-        while not ready.is_file():
-            if process.poll() is not None or time.monotonic() > deadline:
-                handle.stop()
-                why = "did not become ready in time" if process.returncode is None else f"exited {process.returncode}"
-                raise EngineError(f"{env.manifest.name} rollout service {why}: "
-                                  f"{last_error_lines(out_dir / 'stderr.log')} (logs: {out_dir / 'stderr.log'})")
-            time.sleep(0.05)
-        handle.url = json.loads(ready.read_text())["url"]
-        return handle
+        return start_process_service(cmd, out_dir, scrubbed_env(env.path / "bin", out_dir / ".home"),
+                                     what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s)
+
+
+def run_process(cmd: list[str], out_dir: Path, env: dict[str, str], *, timeout_s: float,
+                kill_when: Callable[[], bool] | None = None) -> RunOutcome:
+    """Runs one job in `out_dir` in its own process group, logs to files; SIGKILLs the group on timeout
+    or when `kill_when()` turns true."""
+    stdout, stderr = out_dir / "stdout.log", out_dir / "stderr.log"
+    started = time.monotonic()
+    killed = timed_out = False
+    with open(stdout, "wb") as out, open(stderr, "wb") as err:
+        process = subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                   start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            while True:
+                try:
+                    process.wait(timeout=0.05)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if kill_when is not None and kill_when():
+                    killed = True
+                    _kill_group(process)
+                elif time.monotonic() - started > timeout_s:
+                    timed_out = True
+                    _kill_group(process)
+        except BaseException:
+            _kill_group(process)
+            raise
+    shutil.rmtree(out_dir / ".home", ignore_errors=True)
+    return RunOutcome(exit_code=process.returncode, killed=killed, timed_out=timed_out,
+                      seconds=time.monotonic() - started, stdout=stdout, stderr=stderr)
+
+
+def start_process_service(cmd: list[str], out_dir: Path, env: dict[str, str], *, what: str,
+                          ready_timeout_s: float) -> ServiceHandle:
+    """Starts a long-running job in its own process group and waits for the service.json it writes."""
+    ready = out_dir / "service.json"
+    ready.unlink(missing_ok=True)
+    stdout, stderr = open(out_dir / "stdout.log", "wb"), open(out_dir / "stderr.log", "wb")
+    process = subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                               start_new_session=True, preexec_fn=_die_with_parent)
+    stdout.close()
+    stderr.close()
+    handle = ServiceHandle(process=process, out_dir=out_dir, url="")
+    deadline = time.monotonic() + ready_timeout_s
+    while not ready.is_file():
+        if process.poll() is not None or time.monotonic() > deadline:
+            handle.stop()
+            why = "did not become ready in time" if process.returncode is None else f"exited {process.returncode}"
+            raise EngineError(f"{what} {why}: {last_error_lines(out_dir / 'stderr.log')} "
+                              f"(logs: {out_dir / 'stderr.log'})")
+        time.sleep(0.05)
+    handle.url = json.loads(ready.read_text())["url"]
+    return handle
 
 
 @dataclass

@@ -1,15 +1,17 @@
-"""Engines by name: local (per-stack virtualenvs), docker and podman (stack images via the docker SDK)."""
+"""Engines by name: local (per-stack virtualenvs), docker and podman (stack images via the docker SDK),
+apptainer (stack SIFs on a cluster node)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ._apptainer import ApptainerEngine
 from ._container_engine import ContainerEngine
 from ._engine import LocalEngine
 from ._errors import UserError
 
-ENGINES = ("local", "docker", "podman")
-Engine = LocalEngine | ContainerEngine
+ENGINES = ("local", "docker", "podman", "apptainer")
+Engine = LocalEngine | ContainerEngine | ApptainerEngine
 
 
 def make_engine(name: str, *, log: Callable[[str], None] = lambda message: None,
@@ -17,8 +19,10 @@ def make_engine(name: str, *, log: Callable[[str], None] = lambda message: None,
     """The engine called `name`; `images` maps a stack to an existing image to run as is (container engines)."""
     if name not in ENGINES:
         raise UserError(f"--engine {name!r}: available engines are {', '.join(ENGINES)}")
+    if name in ("local", "apptainer") and images:
+        raise UserError("--image needs --engine docker or podman (apptainer takes <RUNNER_SIF_DIR>/<stack>.sif)")
     if name == "local":
-        if images:
-            raise UserError("--image needs a container engine (--engine docker or podman)")
         return LocalEngine(log=log)
+    if name == "apptainer":
+        return ApptainerEngine(log=log)
     return ContainerEngine(name, log=log, images=images)

@@ -3,6 +3,7 @@ host, write evidence per stage, stop at the first failed gate."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import re
 import time
@@ -84,6 +85,7 @@ class Arm:
     first_update_s: float | None = None
     service_env: StackEnvironment | None = None
     service: ServiceHandle | ContainerService | None = None
+    interrupted: dict[str, Path] = field(default_factory=dict)  # stage -> its set-aside interrupted attempt
 
     @property
     def run_id(self) -> str:
@@ -414,10 +416,37 @@ def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageO
     metrics.update(loss=losses, steps=steps)
     checkpoints = [Checkpoint(step=step, path=str((out / "checkpoints" / f"checkpoint-{step}").relative_to(arm.run_dir)),
                               sha256=digest) for step, digest in sorted(revisions.items())]
+    if stage in arm.interrupted:
+        requeue_gates, metrics["requeue"] = _resumed_after_interruption(arm, stage, out, steps)
+        gates += requeue_gates
     if stage == "update" and all(g.passed for g in gates):
         arm.first_update_s = time.monotonic() - arm.started
         metrics["time_to_first_reproducible_update_s"] = round(arm.first_update_s, 2)
     return StageOutput(metrics=metrics, gates=gates, checkpoints=checkpoints)
+
+
+def _resumed_after_interruption(arm: Arm, stage: str, out: Path, steps: int) -> tuple[list[GateResult], dict]:
+    """A training stage that was interrupted (a requeued job, a killed runner) and ran again: its last
+    complete checkpoint is resumed to the end, and the boundary is audited exactly like the resume stage's
+    SIGKILL: interrupted + resumed must replay this uninterrupted run (episodes, rows, final weights)."""
+    attempt = arm.interrupted[stage]
+    checkpoint = latest_complete_checkpoint(attempt / "checkpoints")
+    if checkpoint is None:
+        return [], {"attempt": attempt.name, "resumed_from": None,
+                    "detail": "the interrupted attempt left no complete checkpoint; the stage ran from the start"}
+    resumed_from = int(checkpoint.name.split("-")[1])
+    resumed = out / "requeue-resumed"
+    arm.on_event(stage, f"resuming the interrupted attempt from {checkpoint.name}")
+    run_adapter(arm, stage, resumed, steps=steps, resume_from=checkpoint)
+    _, incomplete = checkpoint_revisions(attempt / "checkpoints")
+    read = {name: (_read_any(folder, "trajectories.jsonl", Trajectory), _read_any(folder, "training.jsonl", TrainingRow))
+            for name, folder in (("plain", out), ("interrupted", attempt), ("resumed", resumed))}
+    gates = resume_gates(read["plain"][0], read["interrupted"][0], read["resumed"][0], read["plain"][1],
+                         read["interrupted"][1], read["resumed"][1], resumed_from,
+                         checkpoint_revisions(out / "checkpoints")[0].get(steps),
+                         checkpoint_revisions(resumed / "checkpoints")[0].get(steps), incomplete)
+    gates = [msgspec.structs.replace(g, name=g.name.replace("resume:", "requeue:", 1)) for g in gates]
+    return gates, {"attempt": attempt.name, "resumed_from": checkpoint.name}
 
 
 def stage_update(arm: Arm) -> StageOutput:
@@ -527,6 +556,14 @@ def run_stage(arm: Arm, stage: str) -> Evidence:
         output = StageOutput(error=ErrorInfo(kind="engine", message=str(error)))
     except FileNotFoundError as error:
         output = StageOutput(error=ErrorInfo(kind="missing-output", message=f"adapter did not write {error.filename}"))
+    except BaseException:
+        # SIGTERM (a Slurm signal before the time limit, a preemption), Ctrl-C: the stage's files stay,
+        # marked as interrupted; `runner qualify --resume` sets them aside and runs the stage again.
+        write_record(folder / "evidence.json", Evidence(
+            run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status="error",
+            started_at=started, finished_at=now(), environment=arm.environment, artifacts=artifacts(arm, folder),
+            error=ErrorInfo(kind="interrupted", message="the runner was stopped during this stage")))
+        raise
     if output.error is not None:
         status = "error"
     else:
@@ -539,19 +576,63 @@ def run_stage(arm: Arm, stage: str) -> Evidence:
     return evidence
 
 
-def run_arm(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | None = None) -> list[Evidence]:
-    """Runs the stages in order; a stage that does not pass stops the arm (later stages: skipped)."""
+def run_arm(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | None = None, *,
+            resume: bool = False) -> list[Evidence]:
+    """Runs the stages in order; a stage that does not pass stops the arm (later stages: skipped).
+    With `resume`, stages that already passed in this run directory are kept, and a stage left behind
+    by an interrupted run is set aside (marked) and run again."""
     write_record(arm.run_dir / "plan.json", arm.plan)
     try:
-        return _run_stages(arm, stages, on_stage)
+        return _run_stages(arm, stages, on_stage, resume)
     finally:
         arm.close()
 
 
-def _run_stages(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | None) -> list[Evidence]:
+def _passed_before(arm: Arm, stage: str) -> Evidence | None:
+    path = arm.stage_dir(stage) / "evidence.json"
+    if path.is_file():
+        with contextlib.suppress(RecordError):
+            evidence = read_record(path, Evidence)
+            if evidence.status == "passed" and evidence.plan_id == arm.plan.plan_id:
+                return evidence
+    return None
+
+
+def _was_skipped(arm: Arm, stage: str) -> bool:
+    path = arm.stage_dir(stage) / "evidence.json"
+    with contextlib.suppress(RecordError, FileNotFoundError):
+        return read_record(path, Evidence).status == "skipped"
+    return False
+
+
+def _set_aside(arm: Arm, stage: str) -> Path:
+    """Moves an interrupted stage's folder to <stage>.attempt-<n> and marks it: nothing it wrote is lost."""
+    folder = arm.stage_dir(stage)
+    number = 1 + sum(1 for _ in folder.parent.glob(f"{stage}.attempt-*"))
+    target = folder.with_name(f"{stage}.attempt-{number}")
+    folder.rename(target)
+    if not (target / "evidence.json").is_file():
+        write_record(target / "evidence.json", Evidence(
+            run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status="error",
+            started_at=now(), finished_at=now(), artifacts=artifacts(arm, target),
+            error=ErrorInfo(kind="interrupted", message=f"the run stopped during this stage; set aside by a resumed "
+                                                        f"run as {target.name}")))
+    return target
+
+
+def _run_stages(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | None,
+                resume: bool) -> list[Evidence]:
     results: list[Evidence] = []
     stopped = False
     for stage in stages:
+        kept = _passed_before(arm, stage) if resume and not stopped else None
+        if kept is not None:
+            results.append(kept)
+            if on_stage:
+                on_stage(stage, "passed")
+            continue
+        if resume and not stopped and arm.stage_dir(stage).exists() and not _was_skipped(arm, stage):
+            arm.interrupted[stage] = _set_aside(arm, stage)
         if stopped:
             evidence = Evidence(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "",
                                 status="skipped", started_at=now(), finished_at=now(),

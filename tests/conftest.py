@@ -1,6 +1,12 @@
-"""Shared fixtures: builders for valid contract records, so tests corrupt one thing at a time."""
+"""Shared fixtures: builders for valid contract records, so tests corrupt one thing at a time, and the
+five-arm local comparison that the compare and Slurm tests both read (run once per session)."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +40,18 @@ def episodes():
     """Two groups of two episodes with reward variance in each group."""
     pairs = [make_episode(group=g, sample=s, reward=float(s)) for g in range(2) for s in range(2)]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+COMPARED_ARMS = ["trl", "nemo-gym", "openenv", "verifiers", "lightning-verl"]
+CALC_PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml"
+
+
+@pytest.fixture(scope="session")
+def local_comparison(tmp_path_factory):
+    """`runner compare` of every stack on the calc-tool CPU plan with the local executor and engine."""
+    run_dir = tmp_path_factory.mktemp("compare")
+    result = subprocess.run([str(Path(sys.executable).parent / "runner"), "compare", "--stacks",
+                             ",".join(COMPARED_ARMS), "--plan", str(CALC_PLAN), "--run-dir", str(run_dir), "--json"],
+                            capture_output=True, text=True, timeout=5400)
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    return run_dir, json.loads(result.stdout), result

@@ -48,7 +48,8 @@ def _wait_for_socket(process: subprocess.Popen, socket: Path, log: Path, what: s
         time.sleep(0.1)
 
 
-def _stop(process: subprocess.Popen) -> None:
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM a process we started, SIGKILL if it is still there after 30 s."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
@@ -73,7 +74,7 @@ def docker_daemon() -> Iterator[str]:
             _wait_for_socket(process, socket, log, "dockerd")
             yield f"unix://{socket}"
         finally:
-            _stop(process)
+            stop(process)
 
 
 @contextlib.contextmanager
@@ -88,7 +89,8 @@ def podman_service() -> Iterator[str]:
                         f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n'
                         "[engine]\n"
                         'runtime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n')
-        cmd = ["podman", "--root", str(store / "storage"), "--runroot", f"{scratch}/run", "system", "service",
+        # Podman records the runroot in its database: it must stay the same for the same store.
+        cmd = ["podman", "--root", str(store / "storage"), "--runroot", str(store / "run"), "system", "service",
                "--time=0", f"unix://{socket}"]
         with open(log, "wb") as handle:
             process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
@@ -97,4 +99,4 @@ def podman_service() -> Iterator[str]:
             _wait_for_socket(process, socket, log, "podman system service")
             yield f"unix://{socket}"
         finally:
-            _stop(process)
+            stop(process)

@@ -119,17 +119,22 @@ def test_docker_trajectories_are_token_identical_to_the_local_engine(docker_run,
     assert len(in_docker) == 32 and in_docker == on_host
 
 
-def test_changed_pin_without_rebuild_fails_the_probe_naming_the_package(docker_host, trl_image, tmp_path):
+def test_changed_pin_without_rebuild_fails_the_probe_naming_the_package(docker_host, trl_image, docker_run, tmp_path):
     stacks = copy_stacks(tmp_path / "stacks")
     lock = stacks / "trl" / "requirements.lock"
     lock.write_text(lock.read_text().replace("PyYAML==6.0.4", "PyYAML==6.0.3"))
     env = {**docker_host, "RUNNER_STACKS_DIR": str(stacks)}
+    # The policy by path (the one the docker run used): the tiny-policy builder is the trl stack, and
+    # its changed lock would otherwise mean a new builder environment and a new policy.
+    policy = json.loads((docker_run / "plan.json").read_text())["policy"]["path"]
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.read_text().replace("kind: tiny", f"kind: path\n  path: {policy}"))
 
     check = runner("pin", "--check", "--stack", "trl", "--json", env=env)
     assert check.returncode == 1
     assert any("sha256" in line for line in json.loads(check.stdout)["drift"]["trl"])
 
-    result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--engine", "docker", "--image",
+    result = runner("qualify", "--stack", "trl", "--plan", str(plan), "--engine", "docker", "--image",
                     trl_image["tag"], "--stages", "probe", "--run-dir", str(tmp_path / "run"), "--json", env=env)
     assert result.returncode == 1, result.stderr[-2000:]
     gates = {g["name"]: g for g in evidence(tmp_path / "run", "probe")["gates"]}

@@ -7,8 +7,6 @@ Slow: builds the environments on first use (cached by lock hash)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,20 +15,16 @@ from runner_contracts import Evidence, read_record
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
-ARMS = ["trl", "nemo-gym", "openenv", "verifiers", "lightning-verl"]
-RUNNER = str(Path(sys.executable).parent / "runner")
+from conftest import COMPARED_ARMS as ARMS
+
 GATEWAY_CAPTURE = "stack capture (gateway), audited against the policy server"
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def comparison(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("compare")
-    result = subprocess.run([RUNNER, "compare", "--stacks", ",".join(ARMS), "--plan", str(PLAN),
-                             "--run-dir", str(run_dir), "--json"], capture_output=True, text=True, timeout=5400)
-    assert result.returncode in (0, 1), result.stderr[-3000:]
-    return run_dir, json.loads(result.stdout), result
+def comparison(local_comparison):
+    return local_comparison
 
 
 def test_every_arm_passes_every_gate(comparison):

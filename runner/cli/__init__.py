@@ -6,7 +6,7 @@ import signal
 
 import typer
 
-from . import compare, images, pin, policy, qualify, report, stacks, tasks, validate
+from . import compare, images, pin, policy, qualify, report, stacks, status, tasks, validate
 
 app = typer.Typer(
     name="runner",
@@ -26,6 +26,8 @@ app.command("compare")(compare.compare)
 app.command("pin")(pin.pin)
 app.command("validate")(validate.validate)
 app.command("report")(report.report)
+app.command("status")(status.status)
+app.command("cancel")(status.cancel)
 
 
 def _terminate(signum, frame) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from .._compare import write_comparison
+from .._executor import arm_order
 from .._report import gate_table, load_run, write_report
 from ._common import cli_errors, console, print_json
 
@@ -22,8 +23,10 @@ def report(
     if (run_dir / "arms").is_dir():
         with cli_errors():
             stacks = sorted(path.parent.name for path in (run_dir / "arms").glob("*/plan.json"))
-            if (run_dir / "comparison.json").is_file():  # keep the order the arms ran in
+            ran = arm_order(run_dir)  # keep the order the arms ran in
+            if ran is None and (run_dir / "comparison.json").is_file():
                 ran = [arm["stack"] for arm in json.loads((run_dir / "comparison.json").read_text())["arms"]]
+            if ran:
                 stacks = [s for s in ran if s in stacks] + [s for s in stacks if s not in ran]
             for stack in stacks:
                 write_report(run_dir / "arms" / stack)

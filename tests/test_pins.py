@@ -1,0 +1,94 @@
+"""`runner pin`: pin records, drift checks that run nothing, and a real resolution with pip (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runner._stacks import parse_lock
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNNER = str(Path(sys.executable).parent / "runner")
+
+
+def runner(*args: str, stacks: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "400"}
+    if stacks is not None:
+        env["RUNNER_STACKS_DIR"] = str(stacks)
+    return subprocess.run([RUNNER, *args], capture_output=True, text=True, env=env)
+
+
+@pytest.fixture
+def stacks(tmp_path) -> Path:
+    return Path(shutil.copytree(ROOT / "stacks", tmp_path / "stacks",
+                                ignore=shutil.ignore_patterns("adapter", "*.egg-info")))
+
+
+def drift_of(stacks: Path, stack: str) -> list[str]:
+    result = runner("pin", "--check", "--stack", stack, "--json", stacks=stacks)
+    assert result.returncode == (1 if json.loads(result.stdout)["drift"][stack] else 0), result.stderr
+    return json.loads(result.stdout)["drift"][stack]
+
+
+def test_the_repository_pins_agree():
+    result = runner("pin", "--check", "--json")
+    assert result.returncode == 0, result.stdout
+    assert set(json.loads(result.stdout)["drift"]) >= {"trl", "openenv", "nemo-gym", "verifiers", "lightning-verl"}
+
+
+def test_a_changed_lock_is_drift_naming_the_lock(stacks):
+    lock = stacks / "openenv" / "requirements.lock"
+    lock.write_text(lock.read_text().replace("openenv==0.10.0", "openenv==0.9.0"))
+    problems = drift_of(stacks, "openenv")
+    assert any("requirements.lock: sha256" in p for p in problems), problems
+    assert any("openenv==0.9.0, stack.toml pins 0.10.0" in p for p in problems), problems
+    assert any("requirements.in:2: openenv==0.10.0, the lock has 0.9.0" in p for p in problems), problems
+
+
+def test_a_changed_upstream_in_the_manifest_is_drift_naming_the_field(stacks):
+    manifest = stacks / "verifiers" / "stack.toml"
+    manifest.write_text(manifest.read_text().replace('version = "0.4.0"', 'version = "0.4.1"'))
+    problems = drift_of(stacks, "verifiers")
+    assert any("pins.json: version is '0.4.0', stack.toml says '0.4.1'" in p for p in problems), problems
+
+
+def test_a_stack_without_a_pin_record_is_drift(stacks):
+    (stacks / "trl" / "pins.json").unlink()
+    assert drift_of(stacks, "trl") == [f"{stacks / 'trl' / 'pins.json'}: missing; run `runner pin --stack trl`"]
+
+
+def test_a_corrupt_pin_record_is_a_clear_error(stacks):
+    (stacks / "trl" / "pins.json").write_text('{"stack": "trl"}')
+    result = runner("pin", "--check", "--stack", "trl", stacks=stacks)
+    assert result.returncode == 2 and "pins.json" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_locks_with_hashes_parse(tmp_path):
+    lock = tmp_path / "requirements.lock"
+    lock.write_text("# comment\nmsgspec==0.23.0 --hash=sha256:" + "a" * 64 + "\nPyYAML==6.0.4\n")
+    assert parse_lock(lock) == {"msgspec": "0.23.0", "pyyaml": "6.0.4"}
+
+
+@pytest.mark.slow
+def test_pin_resolves_a_lock_with_hashes_and_a_pin_record(tmp_path):
+    """A real resolution (pip --dry-run --report on the stack's Python) of a one-requirement stack."""
+    stack = tmp_path / "stacks" / "mini"
+    (stack / "adapter").mkdir(parents=True)
+    (stack / "requirements.lock").write_text("")
+    (stack / "requirements.in").write_text("msgspec==0.23.0\n")
+    (stack / "stack.toml").write_text('name = "mini"\ndescription = "one requirement"\npython = "3.11"\n'
+                                      'lock = "requirements.lock"\nadapter = "mini:run"\nadapter_package = "adapter"\n'
+                                      'stages = ["probe"]\n[upstream]\nname = "msgspec"\nversion = "0.23.0"\n')
+    result = runner("pin", "--stack", "mini", "--json", stacks=tmp_path / "stacks")
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads(result.stdout)
+    lines = [line for line in (stack / "requirements.lock").read_text().splitlines() if not line.startswith("#")]
+    assert len(lines) == 1 and lines[0].startswith("msgspec==0.23.0 --hash=sha256:")
+    assert record["version"] == "0.23.0" and record["resolver"].startswith("pip ")
+    assert runner("pin", "--check", "--stack", "mini", stacks=tmp_path / "stacks").returncode == 0

@@ -1,0 +1,159 @@
+"""The Slurm executor against a real one-node Slurm (tests/slurm_cluster.py: Debian's slurm-wlm + munge on
+loopback, started and stopped here): a qualification submitted and followed, a failing job explained by
+`runner status`, `runner cancel`, a job requeued mid-update that resumes and passes the boundary audit,
+and a comparison under Slurm equal to the local executor's (same plan id, gate outcomes and tokens).
+
+Slow: the comparison runs two arms as Slurm jobs (~6 min on 2 cores) and reads the session's local
+five-arm comparison."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CALC_PLAN
+from slurm_cluster import missing, slurm_cluster
+
+RUNNER = str(Path(sys.executable).parent / "runner")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = missing()
+    if reason:
+        pytest.skip(f"no Slurm for the cluster tests: {reason}")
+    with slurm_cluster() as running:
+        yield running
+
+
+def runner(cluster, *args: str, env: dict[str, str] | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run([RUNNER, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "COLUMNS": "400", **cluster.env, **(env or {})})
+
+
+def status(cluster, run_dir: Path) -> dict:
+    return json.loads(runner(cluster, "status", str(run_dir), "--json").stdout)
+
+
+def wait_for(predicate, what: str, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def evidence(run_dir: Path, stage: str) -> dict:
+    return json.loads((run_dir / "stages" / stage / "evidence.json").read_text())
+
+
+def test_qualification_is_submitted_followed_and_its_evidence_collected(cluster, tmp_path):
+    run_dir = tmp_path / "trl"
+    result = runner(cluster, "qualify", "--stack", "trl", "--plan", str(CALC_PLAN), "--executor", "slurm",
+                    "--stages", "probe,service", "--run-dir", str(run_dir), "--json")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    summary = json.loads(result.stdout)
+    assert summary["stages"] == {"probe": "passed", "service": "passed"}
+    assert (run_dir / "slurm" / "trl.sbatch").is_file() and list((run_dir / "slurm").glob("job-*.out"))
+    jobs = status(cluster, run_dir)["jobs"]
+    assert [(job["name"], job["state"]) for job in jobs] == [("trl", "COMPLETED")]
+
+
+def test_dry_run_writes_scripts_and_submits_nothing(cluster, tmp_path):
+    result = runner(cluster, "compare", "--stacks", "trl,openenv", "--plan", str(CALC_PLAN), "--executor", "slurm",
+                    "--dry-run", "--run-dir", str(tmp_path / "c"), "--json")
+    assert result.returncode == 0, result.stderr[-2000:]
+    jobs = json.loads(result.stdout)["jobs"]
+    assert [job["name"] for job in jobs] == ["trl", "openenv", "report"] and all(job["job_id"] is None for job in jobs)
+    assert json.loads((tmp_path / "c" / "plan.json").read_text())["plan_id"]
+    queue = subprocess.run(["squeue", "-h"], capture_output=True, text=True, env={**os.environ, **cluster.env})
+    assert queue.stdout.strip() == ""
+
+
+def test_a_failing_job_shows_its_error_in_status(cluster, tmp_path):
+    run_dir = tmp_path / "broken"
+    result = runner(cluster, "qualify", "--stack", "trl", "--plan", str(CALC_PLAN), "--executor", "slurm",
+                    "--engine", "docker", "--stages", "probe", "--run-dir", str(run_dir), "--json",
+                    env={"DOCKER_HOST": f"unix://{tmp_path}/no-such-docker.sock"})
+    assert result.returncode != 0
+    job = status(cluster, run_dir)["jobs"][0]
+    assert job["state"] == "FAILED", job
+    assert "no docker engine answers" in job["error"], job
+
+
+def test_cancel_stops_a_running_job_and_marks_its_stage(cluster, tmp_path):
+    run_dir = tmp_path / "cancelled"
+    submitted = runner(cluster, "qualify", "--stack", "trl", "--plan", str(CALC_PLAN), "--executor", "slurm",
+                       "--no-follow", "--run-dir", str(run_dir), "--json")
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    wait_for(lambda: (run_dir / "stages" / "rollout" / "request.json").is_file(), "the rollout stage to start")
+    cancelled = runner(cluster, "cancel", str(run_dir))
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout
+    wait_for(lambda: status(cluster, run_dir)["finished"], "the cancelled job to end", 120)
+    job = status(cluster, run_dir)["jobs"][0]
+    assert job["state"] == "CANCELLED"
+    assert evidence(run_dir, "probe")["status"] == "passed"
+    marked = evidence(run_dir, "rollout")
+    assert marked["status"] == "error" and marked["error"]["kind"] == "interrupted"
+    assert runner(cluster, "status", str(run_dir)).returncode == 1
+
+
+def test_requeued_mid_update_resumes_from_the_checkpoint_and_passes_the_boundary_audit(cluster, tmp_path):
+    plan = tmp_path / "plan.yaml"  # four update steps, so the job is requeued between two checkpoints
+    plan.write_text(CALC_PLAN.read_text().replace("update_steps: 2", "update_steps: 4"))
+    run_dir = tmp_path / "requeued"
+    submitted = runner(cluster, "qualify", "--stack", "trl", "--plan", str(plan), "--executor", "slurm",
+                       "--stages", "probe,update", "--no-follow", "--run-dir", str(run_dir), "--json")
+    assert submitted.returncode == 0, submitted.stderr[-2000:]
+    job_id = json.loads(submitted.stdout)["jobs"][0]["job_id"]
+    wait_for(lambda: (run_dir / "stages" / "update" / "checkpoints" / "checkpoint-1" / "COMPLETE").is_file(),
+             "the first update checkpoint")
+    slurm_env = {**os.environ, **cluster.env}
+    subprocess.run(["scontrol", "requeue", job_id], check=True, env=slurm_env)
+    # Slurm holds a requeued job back for two minutes (BeginTime); an operator may release it at once.
+    wait_for(lambda: status(cluster, run_dir)["jobs"][0]["reason"] == "BeginTime", "the requeued job to be pending", 60)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, env=slurm_env)
+    wait_for(lambda: status(cluster, run_dir)["finished"] and status(cluster, run_dir)["jobs"][0]["restarts"] >= 1,
+             "the requeued job to finish", 900)
+    job = status(cluster, run_dir)["jobs"][0]
+    assert job["state"] == "COMPLETED", job
+    attempt = json.loads((run_dir / "stages" / "update.attempt-1" / "evidence.json").read_text())
+    assert attempt["error"]["kind"] == "interrupted"
+    update = evidence(run_dir, "update")
+    gates = {g["name"]: g for g in update["gates"]}
+    assert update["status"] == "passed", [g for g in update["gates"] if not g["passed"]]
+    assert {"requeue:same-order", "requeue:same-tokens", "requeue:same-final-weights"} <= set(gates)
+    assert update["metrics"]["requeue"]["resumed_from"].startswith("checkpoint-")
+    assert evidence(run_dir, "probe")["status"] == "passed"  # kept from the first attempt, not run again
+    assert not (run_dir / "stages" / "probe.attempt-1").exists()
+
+
+def test_compare_on_slurm_equals_the_local_executor(cluster, local_comparison, tmp_path):
+    local_dir, local_data, _ = local_comparison
+    run_dir = tmp_path / "slurm-compare"
+    result = runner(cluster, "compare", "--stacks", "trl,openenv", "--plan", str(CALC_PLAN), "--executor", "slurm",
+                    "--engine", "local", "--run-dir", str(run_dir), "--json", timeout=3600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    assert data["plan_id"] == local_data["plan_id"]
+    assert [arm["stack"] for arm in data["arms"]] == ["trl", "openenv"]
+    for stack in ("trl", "openenv"):
+        on_slurm, local = run_dir / "arms" / stack, local_dir / "arms" / stack
+        for stage in ("probe", "service", "rollout", "update", "resume", "train", "evaluate"):
+            outcomes = [{g["name"]: g["passed"] for g in evidence(folder, stage)["gates"]} for folder in (on_slurm, local)]
+            assert outcomes[0] == outcomes[1], (stack, stage)
+        for stage in ("rollout", "train"):
+            tokens = [[[s["token_ids"] for s in json.loads(line)["segments"]]
+                       for line in (folder / "stages" / stage / "trajectories.jsonl").read_text().splitlines()]
+                      for folder in (on_slurm, local)]
+            assert tokens[0] == tokens[1], (stack, stage)
+    slurm_weights = {arm["stack"]: arm["final_weights_sha256"] for arm in data["arms"]}
+    local_weights = {arm["stack"]: arm["final_weights_sha256"] for arm in local_data["arms"]}
+    assert slurm_weights == {stack: local_weights[stack] for stack in ("trl", "openenv")}

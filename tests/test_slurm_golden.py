@@ -1,0 +1,74 @@
+"""Golden tests of the Slurm executor's rendered sbatch scripts: a GPU arm under Apptainer with the
+example cluster profile, a CPU comparison under the local engine, and the report job. Paths and the
+submitting environment are fixed so the files are stable. Regenerate after a reviewed change with
+UPDATE_GOLDEN=1."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from runner._errors import UserError
+from runner._plan import load_plan
+from runner._slurm import ArmJob, ClusterProfile, load_profile, render_arm, render_report
+from runner_contracts import freeze_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden"
+ENVIRON = {"HOME": "/home/ada", "LANG": "C.UTF-8", "PATH": "/usr/bin:/bin", "RUNNER_CACHE_DIR": "/shared/cache",
+           "SECRET_TOKEN": "never-exported"}
+
+
+def matches_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.read_text() == text, f"{name} differs from the reviewed golden file (UPDATE_GOLDEN=1 to accept)"
+
+
+def plan(gpus: int):
+    frozen = freeze_plan(load_plan(ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"))
+    budget = msgspec.structs.replace(frozen.budget, gpus=gpus, wall_clock_s=3600.0)
+    return freeze_plan(msgspec.structs.replace(frozen, budget=budget, plan_id=None))
+
+
+def test_golden_gpu_arm_under_apptainer_with_the_example_profile():
+    profile = load_profile(ROOT / "clusters" / "example-h100.toml")
+    job = ArmJob(stack="openenv", arm_dir=Path("/shared/runs/c1/arms/openenv"), plan_file=Path("/shared/runs/c1/plan.json"),
+                 engine="apptainer")
+    script = render_arm(job, plan(gpus=1), profile, command="compare", environ=ENVIRON)
+    for line in ("#SBATCH --partition=gpu-h100", "#SBATCH --constraint=h100", "#SBATCH --gres=gpu:h100:1",
+                 "#SBATCH --requeue", "#SBATCH --signal=B:TERM@300", "#SBATCH --export=NONE",
+                 "module load apptainer/1.3.4", "export RUNNER_APPTAINER=apptainer",
+                 "export RUNNER_APPTAINER_BINDS=/shared/models:/scratch", "--engine apptainer", "--resume"):
+        assert line in script, line
+    assert "SECRET_TOKEN" not in script
+    matches_golden("slurm_arm_gpu_apptainer.sbatch", script)
+
+
+def test_golden_cpu_arm_under_the_local_engine():
+    profile = ClusterProfile(partition="cpu", runner="/opt/runner/bin/runner", workdir="/opt/runner/src")
+    job = ArmJob(stack="trl", arm_dir=Path("/shared/runs/r1"), plan_file=Path("/shared/runs/r1/plan.json"),
+                 engine="local", stages=("probe", "update"))
+    script = render_arm(job, plan(gpus=0), profile, command="qualify", environ=ENVIRON)
+    assert "--gres" not in script and "#SBATCH --cpus-per-task=2" in script and "--stages probe,update" in script
+    matches_golden("slurm_arm_cpu_local.sbatch", script)
+
+
+def test_golden_report_job():
+    profile = ClusterProfile(partition="cpu", runner="/opt/runner/bin/runner", workdir="/opt/runner/src")
+    script = render_report(Path("/shared/runs/c1"), ["trl", "openenv"], plan(gpus=0), profile, environ=ENVIRON)
+    matches_golden("slurm_report.sbatch", script)
+
+
+def test_profile_errors_name_the_file_and_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('partition = "x"\ngpus_syntax = "gpu"\n')
+    with pytest.raises(UserError, match=r"bad.toml: unknown key\(s\) gpus_syntax"):
+        load_profile(bad)
+    bad.write_text('partition = "x"\ngres = "gpu:h100"\n')
+    with pytest.raises(UserError, match=r"field gres: expected a pattern with \{gpus\}"):
+        load_profile(bad)
