@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml contracts/pyproject.toml qualification/pyproject.toml
 	touch $(STAMP)
 
 # Debian packages: Python 3.11 with venv (host and stacks), Chromium (the HTML report test), Docker
-# Engine, Podman (runc) and debootstrap (the container engines' tests start their own daemons).
-# Only runs apt when something is missing.
-SYSTEM_PACKAGES = python3.11 python3.11-venv chromium docker.io podman runc debootstrap
+# Engine, Podman (runc) and debootstrap (the container engines' tests start their own daemons), Slurm
+# and munge (the cluster tests start a one-node cluster). Only runs apt when something is missing.
+SYSTEM_PACKAGES = python3.11 python3.11-venv chromium docker.io podman runc debootstrap slurm-wlm munge
 system-deps:
 	@if ! command -v $(PYTHON) >/dev/null || ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null \
 	    || ! command -v chromium >/dev/null || ! command -v dockerd >/dev/null || ! command -v podman >/dev/null \
-	    || ! command -v debootstrap >/dev/null; then \
+	    || ! command -v debootstrap >/dev/null || ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES); fi
 
 demo: $(STAMP)

@@ -158,3 +158,24 @@ def test_podman_engine_runs_the_same_image_definition(tmp_path):
     assert probe["environment"]["engine"] == "podman" and probe["environment"]["image_digest"] == image["digest"]
     reach = probe["metrics"]["reach"]
     assert (reach["outbound_tcp"], reach["write_inputs"], reach["write_outside_run_dir"]) == (False, False, False)
+
+
+def test_environment_arm_in_docker_talks_to_its_service_over_loopback_only(docker_host, local_comparison, tmp_path):
+    """openenv's rollout service runs in its own container, the trl trainer jobs join that container's
+    network namespace; both show no outbound network, and the episodes equal the local engine's."""
+    run_dir = tmp_path / "openenv"
+    result = runner("qualify", "--stack", "openenv", "--plan", str(PLAN), "--engine", "docker", "--stages",
+                    "probe,service,rollout", "--run-dir", str(run_dir), "--json", env=docker_host)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    probe = evidence(run_dir, "probe")
+    assert probe["environment"]["image"].startswith("runner-openenv:")
+    for reach in (probe["metrics"]["reach"], probe["metrics"]["trainer"]["reach"]):
+        assert (reach["outbound_tcp"], reach["write_inputs"]) == (False, False)
+    recovery = evidence(run_dir, "rollout")["metrics"]["recovery"]
+    assert recovery["faults_injected"] == 1 and recovery["lost"] == 0
+
+    def tokens(folder: Path) -> dict[str, list]:
+        lines = (folder / "stages" / "rollout" / "trajectories.jsonl").read_text().splitlines()
+        return {r["episode_id"]: [s["token_ids"] for s in r["segments"]] for r in map(json.loads, lines)}
+
+    assert tokens(run_dir) == tokens(local_comparison[0] / "arms" / "openenv")
