@@ -7,6 +7,7 @@ Docker-compatible socket (see `connect`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
 import hashlib
 import json
@@ -113,9 +114,13 @@ def load_bases(path: Path = IMAGES_DIR / "bases.toml") -> dict[str, BaseDefiniti
 
 
 def base_for(manifest: StackManifest, flavour: str) -> BaseDefinition:
+    """The base of `flavour` for the stack's Python (a base with python = "*" builds any version)."""
     for base in load_bases().values():
         if base.flavour == flavour and base.python == manifest.python:
             return base
+    for base in load_bases().values():
+        if base.flavour == flavour and base.python == "*":
+            return dataclasses.replace(base, python=manifest.python)
     offered = ", ".join(f"{b.name} (Python {b.python})" for b in load_bases().values() if b.flavour == flavour)
     raise UserError(f"stack {manifest.name} needs Python {manifest.python}; no {flavour} base in "
                     f"images/bases.toml provides it (have: {offered})")
@@ -237,10 +242,12 @@ def extra_ca_certificates(paths: list[Path] | None) -> list[Path]:
     return certs
 
 
-def _context_inputs(manifest: StackManifest, base_tag: str, certs: list[Path]) -> dict[str, Any]:
+def _context_inputs(manifest: StackManifest, base_tag: str, certs: list[Path], flavour: str = "cpu") -> dict[str, Any]:
+    """What goes into a stack image's build. Local wheels only for CPU images: a GPU image takes the CUDA
+    builds from the index (a local CPU build of torch would otherwise win on its +cpu label)."""
     return {
         "definition": stack_definition(manifest),
-        "wheels": local_wheels(manifest),
+        "wheels": local_wheels(manifest) if flavour == "cpu" else [],
         "certs": certs,
         "sources": {"contracts": local_packages()["runner-contracts"],
                     "qualification": local_packages()["runner-qualification"],
@@ -289,7 +296,7 @@ def build_stack_image(client: Any, manifest: StackManifest, *, flavour: str = "c
     """Builds the stack's image unless an image with its content tag exists; returns it."""
     base = base_for(manifest, flavour)
     base_tag = ensure_base(client, base, log)
-    inputs = _context_inputs(manifest, base_tag, extra_ca_certificates(certs))
+    inputs = _context_inputs(manifest, base_tag, extra_ca_certificates(certs), flavour)
     tag = image_tag(manifest, inputs)
     if not _image_exists(client, tag):
         log(f"building {tag} (base {base_tag})")

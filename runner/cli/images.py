@@ -112,7 +112,7 @@ def export(
         manifest = get_stack(stack)
         if to == "def":
             base = base_for(manifest, "gpu")
-            inputs = _context_inputs(manifest, base.tag, extra_ca_certificates(None))
+            inputs = _context_inputs(manifest, base.tag, extra_ca_certificates(None), "gpu")
             target = out / f"{stack}-def"
             with _build_context(manifest, inputs) as context:
                 if target.exists():
@@ -120,8 +120,9 @@ def export(
                 import shutil
 
                 shutil.copytree(context, target)
-            (target / f"{stack}.def").write_text(definition(manifest, stack_definition(manifest),
-                                                            inputs["buildargs"]))
+            (target / f"{stack}.def").write_text(definition(
+                manifest, stack_definition(manifest), inputs["buildargs"], base_containerfile=base.definition,
+                base_args={"CUDA_IMAGE": base.image or "", "PYTHON": base.python}, context=target))
             console.print(f"wrote {target / (stack + '.def')} and its build context; on the cluster:\n  "
                           + shlex.join(build_from_definition_command(Path(f"{stack}.sif"), Path(f"{stack}.def"),
                                                                      apptainer)), highlight=False)

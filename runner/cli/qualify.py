@@ -162,7 +162,7 @@ def qualify(
                 report_submitted(jobs, target, dry_run=dry_run, json_output=json_output)
                 raise typer.Exit(0)
             follow_with_progress(target, quiet=json_output)
-            plan_, evidence = load_run(target)
+            _, evidence = load_run(target)
             data = write_report(target)
             data["run_dir"] = str(target)
         else:
