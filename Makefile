@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_validate.py
 	$(BIN)/python bench/bench_overhead.py
 	$(BIN)/python bench/bench_environments.py
+	$(BIN)/python bench/bench_engines.py
 
 schema: $(STAMP)
 	$(BIN)/python -m runner_contracts.schema contracts/schema

@@ -46,3 +46,23 @@ def test_unknown_family_and_stack_are_one_line_errors(tmp_path):
     plan.write_text("name: x\n")
     result = invoke("qualify", "--stack", "nope", "--plan", str(plan))
     assert result.exit_code == 2 and "unknown stack 'nope'; known stacks:" in result.output and "trl" in result.output
+
+
+def test_engine_and_executor_mistakes_are_one_line_errors(tmp_path, monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
+    plan = "qualification/plans/calc-tool-cpu.yaml"
+    cases = [
+        (("images", "list", "--engine", "docker"), "no docker engine answers at unix://"),
+        (("qualify", "--stack", "trl", "--plan", plan, "--engine", "docker"), "no docker engine answers"),
+        (("qualify", "--stack", "trl", "--plan", plan, "--engine", "kubernetes"), "available engines are local, docker"),
+        (("qualify", "--stack", "trl", "--plan", plan, "--dry-run"), "--cluster and --dry-run belong to --executor slurm"),
+        (("qualify", "--stack", "trl", "--plan", plan, "--engine", "local", "--image", "x"), "--image needs --engine docker"),
+        (("qualify", "--stack", "trl", "--plan", plan, "--resume"), "--resume needs --run-dir"),
+        (("status", str(tmp_path)), "no slurm/jobs.json"),
+        (("images", "export", "--stack", "trl", "--to", "zip"), "--to 'zip': expected sif, docker-archive or def"),
+    ]
+    for args, message in cases:
+        result = invoke(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert message in " ".join(result.output.split()), (args, result.output)
+        assert "Traceback" not in result.output

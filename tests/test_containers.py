@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,19 @@ def test_image_is_tagged_by_content_and_not_rebuilt(docker_host, trl_image):
     assert row["upstream"] == "trl==1.16.0" and row["lock_sha256"] == trl_image["lock_sha256"]
     pins = json.loads((Path(docker_host["RUNNER_STACKS_DIR"]) / "trl" / "pins.json").read_text())
     assert pins["images"][trl_image["tag"]]["digest"] == trl_image["digest"]
+
+
+def test_export_writes_a_docker_archive_and_says_how_to_build_the_sif(docker_host, trl_image, tmp_path):
+    result = runner("images", "export", "--stack", "trl", "--to", "sif", "--image", trl_image["tag"], "--out",
+                    str(tmp_path), env=docker_host)
+    archive = tmp_path / (trl_image["tag"].replace(":", "-") + ".tar")
+    with tarfile.open(archive) as tar:
+        manifest = json.load(tar.extractfile("manifest.json"))
+    assert manifest[0]["RepoTags"] == [trl_image["tag"]]
+    assert result.returncode == 2  # no Apptainer binary here: the archive is written, the SIF is not
+    said = " ".join(result.stderr.split())
+    assert "apptainer is not installed here" in said
+    assert f"apptainer build --force {archive.with_suffix('.sif')} docker-archive://{archive}" in said
 
 
 def test_qualify_in_docker_passes_every_gate_with_image_evidence(docker_run, trl_image):

@@ -1,0 +1,63 @@
+"""Engine overhead: the trl probe stage (imports torch and the adapter, reports the environment) run
+by the local engine and in a container (docker engine), `repeat` times each, medians and the ratio
+docker / local measured in the same run. The container figure includes create, start, wait, log
+collection and removal.
+
+Needs root and Debian's docker.io + debootstrap: it starts its own dockerd (tests/container_daemons.py)
+and reuses the trl image and environment from the cache (built on first use)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def main(repeat: int = 5) -> None:
+    from container_daemons import docker_daemon, missing
+
+    from runner._container_engine import ContainerEngine
+    from runner._engine import LocalEngine
+    from runner._plan import load_plan
+    from runner._policy import resolve_policy
+    from runner._stacks import get_stack
+    from runner_contracts import StageRequest, write_record
+
+    reason = missing("dockerd", "debootstrap")
+    if reason:
+        print(f"bench_engines: skipped ({reason})")
+        return
+    local = LocalEngine()
+    plan = resolve_policy(load_plan(PLAN), local)
+    manifest = get_stack("trl")
+    with docker_daemon() as url, tempfile.TemporaryDirectory() as scratch:
+        os.environ["DOCKER_HOST"] = url
+        docker = ContainerEngine("docker")
+        environments = {"local": (local, local.prepare(manifest)), "docker": (docker, docker.prepare(manifest))}
+        run_dir = Path(scratch)
+        write_record(run_dir / "plan.json", plan)
+        times: dict[str, list[float]] = {name: [] for name in environments}
+        for index in range(repeat):
+            for name, (engine, env) in environments.items():
+                out = run_dir / f"{name}-{index}"
+                request = StageRequest(run_id="bench", stack="trl", stage="probe", plan=plan, out_dir=str(out),
+                                       policy_dir=plan.policy.path)
+                started = time.perf_counter()
+                outcome = engine.run(env, request, timeout_s=300)
+                times[name].append(time.perf_counter() - started)
+                assert outcome.ok, f"{name} probe failed: {outcome.stderr.read_text()[-1000:]}"
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    print(f"probe stage, median of {repeat}: local {medians['local']:.2f} s, docker {medians['docker']:.2f} s; "
+          f"docker / local = {medians['docker'] / medians['local']:.2f}x "
+          f"(container overhead {medians['docker'] - medians['local']:+.2f} s per job)")
+
+
+if __name__ == "__main__":
+    main()
