@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from runner._engine import ENV_MARKER, LocalEngine
+from runner._pins import record_lock
 from runner._stacks import load_manifest
 from runner_contracts import StageRequest, StageResult, read_record
 
@@ -71,7 +72,9 @@ def stack(tmp_path_factory):
         name = "msgspec"
         version = "0.23.0"
     '''))
-    return load_manifest(root / "stack.toml")
+    manifest = load_manifest(root / "stack.toml")
+    record_lock(manifest, resolver="test fixture")  # the probe's pins gate needs a pin record
+    return manifest
 
 
 @pytest.fixture(scope="module")
