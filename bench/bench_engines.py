@@ -42,6 +42,7 @@ def main(repeat: int = 5) -> None:
         docker = ContainerEngine("docker")
         environments = {"local": (local, local.prepare(manifest)), "docker": (docker, docker.prepare(manifest))}
         run_dir = Path(scratch)
+        run_dir.chmod(0o755)  # the container's non-root user enters the run directory
         write_record(run_dir / "plan.json", plan)
         times: dict[str, list[float]] = {name: [] for name in environments}
         for index in range(repeat):

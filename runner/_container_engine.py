@@ -116,6 +116,7 @@ class ContainerEngine:
         user = _container_user()
         if os.geteuid() == 0:
             _chown_tree(out_dir, *CONTAINER_USER)
+        _check_readable(run_dir, user)
         volumes = {str(run_dir): {"bind": str(run_dir), "mode": "rw"}}
         for path in read_only_inputs(request):
             if not str(path).startswith(str(run_dir) + os.sep):
