@@ -4,6 +4,8 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 PLAN   ?= qualification/plans/calc-tool-cpu.yaml
 DEMO_STACKS ?= trl,openenv
+# DEMO_ENGINE=docker or podman runs the demo in stack images (a running engine: DOCKER_HOST, RUNNER_PODMAN_HOST).
+DEMO_ENGINE ?= local
 STAMP   = $(VENV)/.installed
 
 .PHONY: demo test test-fast bench schema lint clean system-deps
@@ -27,7 +29,7 @@ system-deps:
 
 demo: $(STAMP)
 	$(BIN)/runner stacks list
-	$(BIN)/runner compare --stacks $(DEMO_STACKS) --plan $(PLAN)
+	$(BIN)/runner compare --stacks $(DEMO_STACKS) --plan $(PLAN) --engine $(DEMO_ENGINE)
 
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra
