@@ -242,7 +242,7 @@ def extra_ca_certificates(paths: list[Path] | None) -> list[Path]:
     return certs
 
 
-def _context_inputs(manifest: StackManifest, base_tag: str, certs: list[Path], flavour: str = "cpu") -> dict[str, Any]:
+def context_inputs(manifest: StackManifest, base_tag: str, certs: list[Path], flavour: str = "cpu") -> dict[str, Any]:
     """What goes into a stack image's build. Local wheels only for CPU images: a GPU image takes the CUDA
     builds from the index (a local CPU build of torch would otherwise win on its +cpu label)."""
     return {
@@ -296,17 +296,17 @@ def build_stack_image(client: Any, manifest: StackManifest, *, flavour: str = "c
     """Builds the stack's image unless an image with its content tag exists; returns it."""
     base = base_for(manifest, flavour)
     base_tag = ensure_base(client, base, log)
-    inputs = _context_inputs(manifest, base_tag, extra_ca_certificates(certs), flavour)
+    inputs = context_inputs(manifest, base_tag, extra_ca_certificates(certs), flavour)
     tag = image_tag(manifest, inputs)
     if not _image_exists(client, tag):
         log(f"building {tag} (base {base_tag})")
-        with _build_context(manifest, inputs) as context:
+        with build_context(manifest, inputs) as context:
             _build(client, context, tag, inputs["buildargs"], log)
     return stack_image(client, tag)
 
 
 @contextlib.contextmanager
-def _build_context(manifest: StackManifest, inputs: dict[str, Any]) -> Iterator[Path]:
+def build_context(manifest: StackManifest, inputs: dict[str, Any]) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix=f"runner-image-{manifest.name}-") as scratch:
         context = Path(scratch)
         shutil.copy(inputs["definition"], context / "Containerfile")

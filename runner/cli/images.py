@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import shutil
 from pathlib import Path
 
 import typer
@@ -12,8 +13,8 @@ from .._apptainer import build_from_archive_command, build_from_definition_comma
 from .._errors import UserError
 from .._images import (
     CONTAINER_ENGINES,
-    _build_context,
-    _context_inputs,
+    build_context,
+    context_inputs,
     base_for,
     build_stack_image,
     connect,
@@ -112,13 +113,11 @@ def export(
         manifest = get_stack(stack)
         if to == "def":
             base = base_for(manifest, "gpu")
-            inputs = _context_inputs(manifest, base.tag, extra_ca_certificates(None), "gpu")
+            inputs = context_inputs(manifest, base.tag, extra_ca_certificates(None), "gpu")
             target = out / f"{stack}-def"
-            with _build_context(manifest, inputs) as context:
+            with build_context(manifest, inputs) as context:
                 if target.exists():
                     raise UserError(f"{target} exists; remove it or choose another --out")
-                import shutil
-
                 shutil.copytree(context, target)
             (target / f"{stack}.def").write_text(definition(
                 manifest, stack_definition(manifest), inputs["buildargs"], base_containerfile=base.definition,

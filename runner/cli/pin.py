@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import typer
 from rich.table import Table
 
@@ -45,8 +46,6 @@ def pin(
         else:
             with err_console.status(f"resolving the {stack} lock"):
                 record = resolve_lock(manifest, log=lambda message: err_console.print(f"[dim]{message}[/]"))
-    import msgspec
-
     if json_output:
         print_json(msgspec.to_builtins(record))
     else:
