@@ -48,6 +48,15 @@ def _wait_for_socket(process: subprocess.Popen, socket: Path, log: Path, what: s
         time.sleep(0.1)
 
 
+def _unmount_under(folder: str) -> None:
+    """Lazily unmounts what a stopped daemon left mounted inside our own scratch folder (dockerd's
+    netns bind mount under --exec-root can outlive it), so the folder can be removed."""
+    with open("/proc/self/mounts") as handle:
+        points = [line.split()[1] for line in handle if line.split()[1].startswith(folder.rstrip("/") + "/")]
+    for point in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, check=False)
+
+
 def stop(process: subprocess.Popen) -> None:
     """SIGTERM a process we started, SIGKILL if it is still there after 30 s."""
     if process.poll() is None:
@@ -63,7 +72,7 @@ def stop(process: subprocess.Popen) -> None:
 def docker_daemon() -> Iterator[str]:
     """A dockerd on its own unix socket; yields the DOCKER_HOST url."""
     store = cache_dir() / "docker"
-    with _store_lock(store), tempfile.TemporaryDirectory(prefix="rd-", dir="/tmp") as scratch:
+    with _store_lock(store), tempfile.TemporaryDirectory(prefix="rd-", dir="/tmp", ignore_cleanup_errors=True) as scratch:
         socket, log = Path(scratch) / "docker.sock", Path(scratch) / "dockerd.log"
         cmd = ["dockerd", "-H", f"unix://{socket}", "--data-root", str(store), "--exec-root", f"{scratch}/exec",
                "--pidfile", f"{scratch}/docker.pid", "--iptables=false", "--ip6tables=false", "--bridge=none",
@@ -75,13 +84,14 @@ def docker_daemon() -> Iterator[str]:
             yield f"unix://{socket}"
         finally:
             stop(process)
+            _unmount_under(scratch)
 
 
 @contextlib.contextmanager
 def podman_service() -> Iterator[str]:
     """`podman system service` on its own unix socket (runc, cgroupfs, explicit ulimits); yields its url."""
     store = cache_dir() / "podman"
-    with _store_lock(store), tempfile.TemporaryDirectory(prefix="rp-", dir="/tmp") as scratch:
+    with _store_lock(store), tempfile.TemporaryDirectory(prefix="rp-", dir="/tmp", ignore_cleanup_errors=True) as scratch:
         socket, log, conf = Path(scratch) / "podman.sock", Path(scratch) / "podman.log", Path(scratch) / "containers.conf"
         hard_nofile = int(subprocess.run(["sh", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout.strip())
         nofile = min(hard_nofile, 65536)
@@ -100,3 +110,4 @@ def podman_service() -> Iterator[str]:
             yield f"unix://{socket}"
         finally:
             stop(process)
+            _unmount_under(scratch)
