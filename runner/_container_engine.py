@@ -11,7 +11,6 @@ exit code captured into the stage folder; the container is removed whether the j
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
@@ -22,7 +21,15 @@ from typing import Any
 
 from runner_contracts import StageRequest, write_record
 
-from ._engine import RunOutcome, StackEnvironment, last_error_lines, read_only_inputs, run_dir_of, scrubbed_env
+from ._engine import (
+    RunOutcome,
+    StackEnvironment,
+    read_only_inputs,
+    run_dir_of,
+    scrubbed_env,
+    wait_for_service,
+    watch,
+)
 from ._errors import EngineError
 from ._images import StackImage, build_stack_image, connect, stack_image
 from ._stacks import StackManifest
@@ -65,18 +72,12 @@ class ContainerEngine:
         out_dir = Path(request.out_dir)
         container = self._create(env, request, peer=peer)
         started = time.monotonic()
-        killed = timed_out = False
         waiter = _Waiter(container)
         try:
             container.start()
             waiter.start()
-            while not waiter.done.wait(0.05):
-                if kill_when is not None and not killed and kill_when():
-                    killed = True
-                    _kill(container)
-                elif not timed_out and time.monotonic() - started > timeout_s:
-                    timed_out = True
-                    _kill(container)
+            killed, timed_out = watch(waiter.done.wait, lambda: _kill(container), timeout_s=timeout_s,
+                                      kill_when=kill_when)
             exit_code = waiter.exit_code
         finally:
             stdout, stderr = self._collect_logs(container, out_dir)
@@ -88,20 +89,12 @@ class ContainerEngine:
                       ) -> ContainerService:
         """Starts the adapter's `serve` job in a container and waits for its service.json (url, pid)."""
         out_dir = Path(request.out_dir)
-        ready = out_dir / "service.json"
-        ready.unlink(missing_ok=True)
+        (out_dir / "service.json").unlink(missing_ok=True)
         container = self._create(env, request, peer=None)
         container.start()
         service = ContainerService(engine=self, container=container, out_dir=out_dir, url="")
-        deadline = time.monotonic() + ready_timeout_s
-        while not ready.is_file():
-            if not service.alive() or time.monotonic() > deadline:
-                why = "did not become ready in time" if service.alive() else "exited"
-                service.stop()
-                raise EngineError(f"{env.manifest.name} rollout service {why}: "
-                                  f"{last_error_lines(out_dir / 'stderr.log')} (logs: {out_dir / 'stderr.log'})")
-            time.sleep(0.05)
-        service.url = json.loads(ready.read_text())["url"]
+        service.url = wait_for_service(out_dir, service.alive, service.stop,
+                                       what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s)
         return service
 
     # --- container policy ---------------------------------------------------------------------------

@@ -244,23 +244,20 @@ def run_process(cmd: list[str], out_dir: Path, env: dict[str, str], *, timeout_s
     or when `kill_when()` turns true."""
     stdout, stderr = out_dir / "stdout.log", out_dir / "stderr.log"
     started = time.monotonic()
-    killed = timed_out = False
     with open(stdout, "wb") as out, open(stderr, "wb") as err:
         process = subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                                    start_new_session=True, preexec_fn=_die_with_parent)
+
+        def finished(step_s: float) -> bool:
+            try:
+                process.wait(timeout=step_s)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+
         try:
-            while True:
-                try:
-                    process.wait(timeout=0.05)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
-                if kill_when is not None and kill_when():
-                    killed = True
-                    _kill_group(process)
-                elif time.monotonic() - started > timeout_s:
-                    timed_out = True
-                    _kill_group(process)
+            killed, timed_out = watch(finished, lambda: _kill_group(process), timeout_s=timeout_s,
+                                      kill_when=kill_when)
         except BaseException:
             _kill_group(process)
             raise
@@ -269,26 +266,52 @@ def run_process(cmd: list[str], out_dir: Path, env: dict[str, str], *, timeout_s
                       seconds=time.monotonic() - started, stdout=stdout, stderr=stderr)
 
 
+def watch(finished: Callable[[float], bool], kill: Callable[[], None], *, timeout_s: float,
+          kill_when: Callable[[], bool] | None) -> tuple[bool, bool]:
+    """Waits in 50 ms steps until `finished(step)`; calls `kill()` once, when `kill_when()` turns true or
+    after `timeout_s`. Returns (killed, timed_out)."""
+    started = time.monotonic()
+    killed = timed_out = False
+    while not finished(0.05):
+        if killed or timed_out:
+            continue
+        if kill_when is not None and kill_when():
+            killed = True
+            kill()
+        elif time.monotonic() - started > timeout_s:
+            timed_out = True
+            kill()
+    return killed, timed_out
+
+
+def wait_for_service(out_dir: Path, alive: Callable[[], bool], stop: Callable[[], object], *, what: str,
+                     ready_timeout_s: float) -> str:
+    """The url from the service.json a starting service writes into `out_dir`; stops it and raises
+    (with its last stderr lines) if it exits or is not ready in time."""
+    ready = out_dir / "service.json"
+    deadline = time.monotonic() + ready_timeout_s
+    while not ready.is_file():
+        running = alive()
+        if not running or time.monotonic() > deadline:
+            stop()  # also collects a container's logs into stderr.log
+            why = "did not become ready in time" if running else "exited"
+            raise EngineError(f"{what} {why}: {last_error_lines(out_dir / 'stderr.log')} "
+                              f"(logs: {out_dir / 'stderr.log'})")
+        time.sleep(0.05)
+    return json.loads(ready.read_text())["url"]
+
+
 def start_process_service(cmd: list[str], out_dir: Path, env: dict[str, str], *, what: str,
                           ready_timeout_s: float) -> ServiceHandle:
     """Starts a long-running job in its own process group and waits for the service.json it writes."""
-    ready = out_dir / "service.json"
-    ready.unlink(missing_ok=True)
+    (out_dir / "service.json").unlink(missing_ok=True)
     stdout, stderr = open(out_dir / "stdout.log", "wb"), open(out_dir / "stderr.log", "wb")
     process = subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
                                start_new_session=True, preexec_fn=_die_with_parent)
     stdout.close()
     stderr.close()
     handle = ServiceHandle(process=process, out_dir=out_dir, url="")
-    deadline = time.monotonic() + ready_timeout_s
-    while not ready.is_file():
-        if process.poll() is not None or time.monotonic() > deadline:
-            handle.stop()
-            why = "did not become ready in time" if process.returncode is None else f"exited {process.returncode}"
-            raise EngineError(f"{what} {why}: {last_error_lines(out_dir / 'stderr.log')} "
-                              f"(logs: {out_dir / 'stderr.log'})")
-        time.sleep(0.05)
-    handle.url = json.loads(ready.read_text())["url"]
+    handle.url = wait_for_service(out_dir, handle.alive, handle.stop, what=what, ready_timeout_s=ready_timeout_s)
     return handle
 
 

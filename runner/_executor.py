@@ -3,7 +3,6 @@ read the run directory's slurm/jobs.json."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -68,7 +67,7 @@ def submit_comparison(stacks: list[str], plan: Plan, compare_dir: Path, engine: 
         job_id = None if dry_run else submit(script, after=previous)
         jobs.append(SubmittedJob(name=stack, job_id=job_id, script=str(script), run_dir=str(arm_dir)))
         previous = [job_id] if job_id else []
-        write_jobs(compare_dir, jobs, profile=profile, kind="compare")
+        write_jobs(compare_dir, jobs, profile=profile, kind="compare")  # a failing sbatch leaves a true record
     script = _write_script(compare_dir / "slurm" / "report.sbatch", render_report(compare_dir, stacks, plan, profile))
     arm_ids = [job.job_id for job in jobs if job.job_id]
     jobs.append(SubmittedJob(name="report", job_id=None if dry_run else submit(script, after=arm_ids),
@@ -77,17 +76,17 @@ def submit_comparison(stacks: list[str], plan: Plan, compare_dir: Path, engine: 
     return jobs
 
 
-def stage_statuses(arm_dir: Path) -> dict[str, str]:
-    """stage -> status from the evidence already written (partial while the job runs)."""
-    statuses = {}
+def _arm_evidence(arm_dir: Path) -> dict[str, Evidence | None]:
+    """stage -> the evidence already written (None if unreadable), read once per status call."""
+    found: dict[str, Evidence | None] = {}
     for stage in STAGES:
         path = arm_dir / "stages" / stage / "evidence.json"
         if path.is_file():
             try:
-                statuses[stage] = read_record(path, Evidence).status
+                found[stage] = read_record(path, Evidence)
             except RecordError:
-                statuses[stage] = "unreadable"
-    return statuses
+                found[stage] = None
+    return found
 
 
 def status(run_dir: Path) -> dict[str, Any]:
@@ -103,26 +102,25 @@ def status(run_dir: Path) -> dict[str, Any]:
                "reason": state.reason if state else "", "exit_code": state.exit_code if state else "",
                "restarts": state.restarts if state else 0, "script": job["script"]}
         if job["name"] != "report":
-            row["stages"] = stage_statuses(arm_dir)
-            row["error"] = _first_error(arm_dir, job["job_id"], row)
+            evidence = _arm_evidence(arm_dir)
+            row["stages"] = {stage: e.status if e else "unreadable" for stage, e in evidence.items()}
+            row["error"] = _first_error(evidence, arm_dir, job["job_id"], row)
         rows.append(row)
     finished = all(row["state"] in ENDED or row["job_id"] is None for row in rows)
     return {"run_dir": str(run_dir), "kind": record["kind"], "jobs": rows, "finished": finished}
 
 
-def _first_error(arm_dir: Path, job_id: str | None, row: dict[str, Any]) -> str | None:
+def _first_error(evidence: dict[str, Evidence | None], arm_dir: Path, job_id: str | None,
+                 row: dict[str, Any]) -> str | None:
     """Why an arm failed: the first stage error or failed gate, else the tail of the job's log."""
-    for stage in STAGES:
-        path = arm_dir / "stages" / stage / "evidence.json"
-        if not path.is_file():
+    for stage, found in evidence.items():
+        if found is None:
             continue
-        with contextlib.suppress(RecordError):
-            evidence = read_record(path, Evidence)
-            if evidence.error is not None and evidence.status == "error":
-                return f"{stage}: {evidence.error.kind}: {evidence.error.message}"
-            failed = [g.name for g in evidence.gates if not g.passed]
-            if evidence.status == "failed" and failed:
-                return f"{stage}: failed gates {', '.join(failed)}"
+        if found.error is not None and found.status == "error":
+            return f"{stage}: {found.error.kind}: {found.error.message}"
+        failed = [g.name for g in found.gates if not g.passed]
+        if found.status == "failed" and failed:
+            return f"{stage}: failed gates {', '.join(failed)}"
     if job_id and row["state"] in ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"):
         log = arm_dir / "slurm" / f"job-{job_id}.out"
         if log.is_file():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -209,17 +210,22 @@ def stack_definition(manifest: StackManifest) -> Path:
     return own if own.is_file() else STACK_DEFINITION
 
 
-def local_wheels(manifest: StackManifest) -> list[Path]:
-    """Wheels of locked versions found in pip's find-links folders (PIP_FIND_LINKS, pip config):
-    releases that exist only on this machine, such as a CPU build of torch, go into the build context."""
+@functools.cache
+def _find_links_folders() -> tuple[str, ...]:
+    """pip's find-links folders (PIP_FIND_LINKS, then pip config); asked once per process."""
     folders = os.environ.get("PIP_FIND_LINKS", "").split()
     with contextlib.suppress(OSError, subprocess.SubprocessError):
-        configured = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"],
-                                    capture_output=True, text=True, timeout=20, check=False).stdout.split()
-        folders += configured
+        folders += subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.find-links"],
+                                  capture_output=True, text=True, timeout=20, check=False).stdout.split()
+    return tuple(dict.fromkeys(folder.removeprefix("file://") for folder in folders))
+
+
+def local_wheels(manifest: StackManifest) -> list[Path]:
+    """Wheels of locked versions found in pip's find-links folders: releases that exist only on this
+    machine, such as a CPU build of torch, go into the build context."""
     pins = manifest.locked_packages()
     found = []
-    for folder in dict.fromkeys(f.removeprefix("file://") for f in folders):
+    for folder in _find_links_folders():
         for wheel in sorted(glob.glob(os.path.join(folder, "*.whl"))):
             name, version = Path(wheel).name.split("-")[:2]
             if pins.get(normalise(name)) in (version, version.split("+", 1)[0]):

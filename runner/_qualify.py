@@ -588,21 +588,11 @@ def run_arm(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | 
         arm.close()
 
 
-def _passed_before(arm: Arm, stage: str) -> Evidence | None:
-    path = arm.stage_dir(stage) / "evidence.json"
-    if path.is_file():
-        with contextlib.suppress(RecordError):
-            evidence = read_record(path, Evidence)
-            if evidence.status == "passed" and evidence.plan_id == arm.plan.plan_id:
-                return evidence
-    return None
-
-
-def _was_skipped(arm: Arm, stage: str) -> bool:
-    path = arm.stage_dir(stage) / "evidence.json"
+def _earlier_evidence(arm: Arm, stage: str) -> Evidence | None:
+    """The stage's evidence already in the run directory (None if missing or unreadable)."""
     with contextlib.suppress(RecordError, FileNotFoundError):
-        return read_record(path, Evidence).status == "skipped"
-    return False
+        return read_record(arm.stage_dir(stage) / "evidence.json", Evidence)
+    return None
 
 
 def _set_aside(arm: Arm, stage: str) -> Path:
@@ -625,14 +615,15 @@ def _run_stages(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None
     results: list[Evidence] = []
     stopped = False
     for stage in stages:
-        kept = _passed_before(arm, stage) if resume and not stopped else None
-        if kept is not None:
-            results.append(kept)
-            if on_stage:
-                on_stage(stage, "passed")
-            continue
-        if resume and not stopped and arm.stage_dir(stage).exists() and not _was_skipped(arm, stage):
-            arm.interrupted[stage] = _set_aside(arm, stage)
+        if resume and not stopped:
+            earlier = _earlier_evidence(arm, stage)
+            if earlier is not None and earlier.status == "passed" and earlier.plan_id == arm.plan.plan_id:
+                results.append(earlier)
+                if on_stage:
+                    on_stage(stage, "passed")
+                continue
+            if arm.stage_dir(stage).exists() and (earlier is None or earlier.status != "skipped"):
+                arm.interrupted[stage] = _set_aside(arm, stage)
         if stopped:
             evidence = Evidence(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "",
                                 status="skipped", started_at=now(), finished_at=now(),
@@ -642,15 +633,11 @@ def _run_stages(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None
             if on_stage:
                 on_stage(stage, "start")
             if stage != "probe" and arm.environment is None:
-                arm.environment = _environment_from_earlier_probe(arm)
+                probe = _earlier_evidence(arm, "probe")
+                arm.environment = probe.environment if probe else None
             evidence = run_stage(arm, stage)
             stopped = evidence.status != "passed"
             if on_stage:
                 on_stage(stage, evidence.status)
         results.append(evidence)
     return results
-
-
-def _environment_from_earlier_probe(arm: Arm) -> EnvironmentInfo | None:
-    path = arm.stage_dir("probe") / "evidence.json"
-    return read_record(path, Evidence).environment if path.is_file() else None

@@ -69,45 +69,43 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def docker_daemon() -> Iterator[str]:
+def _daemon(store: Path, prefix: str, what: str, command, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Runs `command(scratch, socket)` (a daemon serving `socket`) with its store locked and a scratch
+    folder of its own; yields the socket's url, stops the daemon and cleans the folder afterwards."""
+    with _store_lock(store), tempfile.TemporaryDirectory(prefix=prefix, dir="/tmp", ignore_cleanup_errors=True) as scratch:
+        socket, log = Path(scratch) / "engine.sock", Path(scratch) / "engine.log"
+        with open(log, "wb") as handle:
+            process = subprocess.Popen(command(Path(scratch), socket), stdout=handle, stderr=subprocess.STDOUT,
+                                       start_new_session=True, env={**os.environ, **(env or {})})
+        try:
+            _wait_for_socket(process, socket, log, what)
+            yield f"unix://{socket}"
+        finally:
+            stop(process)
+            _unmount_under(scratch)
+
+
+def docker_daemon():
     """A dockerd on its own unix socket; yields the DOCKER_HOST url."""
     store = cache_dir() / "docker"
-    with _store_lock(store), tempfile.TemporaryDirectory(prefix="rd-", dir="/tmp", ignore_cleanup_errors=True) as scratch:
-        socket, log = Path(scratch) / "docker.sock", Path(scratch) / "dockerd.log"
-        cmd = ["dockerd", "-H", f"unix://{socket}", "--data-root", str(store), "--exec-root", f"{scratch}/exec",
-               "--pidfile", f"{scratch}/docker.pid", "--iptables=false", "--ip6tables=false", "--bridge=none",
-               "--storage-driver=overlay2"]
-        with open(log, "wb") as handle:
-            process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            _wait_for_socket(process, socket, log, "dockerd")
-            yield f"unix://{socket}"
-        finally:
-            stop(process)
-            _unmount_under(scratch)
+    return _daemon(store, "rd-", "dockerd", lambda scratch, socket: [
+        "dockerd", "-H", f"unix://{socket}", "--data-root", str(store), "--exec-root", f"{scratch}/exec",
+        "--pidfile", f"{scratch}/docker.pid", "--iptables=false", "--ip6tables=false", "--bridge=none",
+        "--storage-driver=overlay2"])
 
 
-@contextlib.contextmanager
-def podman_service() -> Iterator[str]:
+def podman_service():
     """`podman system service` on its own unix socket (runc, cgroupfs, explicit ulimits); yields its url."""
     store = cache_dir() / "podman"
-    with _store_lock(store), tempfile.TemporaryDirectory(prefix="rp-", dir="/tmp", ignore_cleanup_errors=True) as scratch:
-        socket, log, conf = Path(scratch) / "podman.sock", Path(scratch) / "podman.log", Path(scratch) / "containers.conf"
-        hard_nofile = int(subprocess.run(["sh", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout.strip())
-        nofile = min(hard_nofile, 65536)
-        conf.write_text("[containers]\n"
-                        f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n'
-                        "[engine]\n"
-                        'runtime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n')
-        # Podman records the runroot in its database: it must stay the same for the same store.
-        cmd = ["podman", "--root", str(store / "storage"), "--runroot", str(store / "run"), "system", "service",
-               "--time=0", f"unix://{socket}"]
-        with open(log, "wb") as handle:
-            process = subprocess.Popen(cmd, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True,
-                                       env={**os.environ, "CONTAINERS_CONF": str(conf)})
-        try:
-            _wait_for_socket(process, socket, log, "podman system service")
-            yield f"unix://{socket}"
-        finally:
-            stop(process)
-            _unmount_under(scratch)
+    conf = store / "containers.conf"
+    store.mkdir(parents=True, exist_ok=True)
+    hard_nofile = int(subprocess.run(["sh", "-c", "ulimit -Hn"], capture_output=True, text=True).stdout.strip())
+    nofile = min(hard_nofile, 65536)
+    conf.write_text("[containers]\n"
+                    f'default_ulimits = ["nofile={nofile}:{nofile}", "nproc=4096:4096"]\n'
+                    "[engine]\n"
+                    'runtime = "runc"\ncgroup_manager = "cgroupfs"\nevents_logger = "file"\n')
+    # Podman records the runroot in its database: it must stay the same for the same store.
+    return _daemon(store, "rp-", "podman system service", lambda scratch, socket: [
+        "podman", "--root", str(store / "storage"), "--runroot", str(store / "run"), "system", "service",
+        "--time=0", f"unix://{socket}"], env={"CONTAINERS_CONF": str(conf)})

@@ -120,8 +120,11 @@ def test_requeued_mid_update_resumes_from_the_checkpoint_and_passes_the_boundary
     # Slurm holds a requeued job back for two minutes (BeginTime); an operator may release it at once.
     wait_for(lambda: status(cluster, run_dir)["jobs"][0]["reason"] == "BeginTime", "the requeued job to be pending", 60)
     subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, env=slurm_env)
-    wait_for(lambda: status(cluster, run_dir)["finished"] and status(cluster, run_dir)["jobs"][0]["restarts"] >= 1,
-             "the requeued job to finish", 900)
+    def requeued_and_finished() -> bool:
+        current = status(cluster, run_dir)
+        return current["finished"] and current["jobs"][0]["restarts"] >= 1
+
+    wait_for(requeued_and_finished, "the requeued job to finish", 900)
     job = status(cluster, run_dir)["jobs"][0]
     assert job["state"] == "COMPLETED", job
     attempt = json.loads((run_dir / "stages" / "update.attempt-1" / "evidence.json").read_text())
