@@ -88,12 +88,13 @@ class ApptainerEngine:
         self.log = log
 
     def prepare(self, manifest: StackManifest) -> StackEnvironment:
-        sif = self.sif_dir / f"{manifest.name}.sif"
+        sif = self.sif_dir / f"{manifest.image_name}.sif"
         if shutil.which(self.binary) is None:
             raise EngineError(f"{self.binary} is not installed on this node (RUNNER_APPTAINER names the binary)")
         if not sif.is_file():
-            raise EngineError(f"no SIF for {manifest.name} at {sif}; make it with `runner images export --stack "
-                              f"{manifest.name} --to sif --out {self.sif_dir}`")
+            raise EngineError(f"no SIF for {manifest.image_name} at {sif}; make it with `runner images export --stack "
+                              f"{manifest.name} --to {'def' if manifest.variant == 'gpu' else 'sif'} --out "
+                              f"{self.sif_dir}` (a .def is built into the SIF on the cluster)")
         return StackEnvironment(manifest=manifest, path=Path(STACK_PYTHON).parents[1], python_version=manifest.python,
                                 lock_sha256=manifest.lock_sha256, image=str(sif), image_digest="sha256:" + sha256_file(sif))
 

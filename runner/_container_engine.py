@@ -60,7 +60,8 @@ class ContainerEngine:
                 raise EngineError(f"image {image.tag} is the {image.stack} stack's image, not {manifest.name}'s")
             self.log(f"using {image.tag} ({image.digest[:19]}) as given, without rebuilding")
         else:
-            image = build_stack_image(self.client, manifest, flavour=self.flavour, log=self.log)
+            flavour = "gpu" if manifest.variant == "gpu" else self.flavour
+            image = build_stack_image(self.client, manifest, flavour=flavour, log=self.log)
             self.log(f"{manifest.name} image {image.tag} ({image.digest[:19]})")
         return environment_of(manifest, image)
 

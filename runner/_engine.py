@@ -181,9 +181,9 @@ class LocalEngine:
         """Builds or reuses the stack's environment and brings our local packages up to date."""
         interpreter, python_version = find_python(manifest.python)
         key = self.environment_key(manifest, python_version)
-        path = self.root / f"{manifest.name}-{key}"
-        log = self.root / f"{manifest.name}-{key}.build.log"
-        with _file_lock(self.root / f"{manifest.name}-{key}.lock"):
+        path = self.root / f"{manifest.image_name}-{key}"
+        log = self.root / f"{manifest.image_name}-{key}.build.log"
+        with _file_lock(self.root / f"{manifest.image_name}-{key}.lock"):
             if not (path / ENV_MARKER).is_file():
                 self.log(f"building {manifest.name} environment (Python {python_version}, lock "
                          f"{manifest.lock_sha256[:12]}) in {path}")

@@ -267,7 +267,7 @@ def context_inputs(manifest: StackManifest, base_tag: str, certs: list[Path], fl
 
 
 def image_tag(manifest: StackManifest, inputs: dict[str, Any]) -> str:
-    """runner-<stack>:<hash of the definition, lock, build args, wheels, certificates and our sources>."""
+    """runner-<stack>[-gpu]:<hash of the definition, lock, build args, wheels, certificates and our sources>."""
     digest = hashlib.sha256()
     digest.update(inputs["definition"].read_bytes())
     digest.update(manifest.lock.read_bytes())
@@ -275,7 +275,7 @@ def image_tag(manifest: StackManifest, inputs: dict[str, Any]) -> str:
     for path in [*inputs["wheels"], *inputs["certs"]]:
         digest.update(path.name.encode() + b"\0" + _file_sha256(path).encode())
     digest.update(tree_hash(list(inputs["sources"].values())).encode())
-    return f"runner-{manifest.name}:{digest.hexdigest()[:16]}"
+    return f"runner-{manifest.image_name}:{digest.hexdigest()[:16]}"
 
 
 def _file_sha256(path: Path) -> str:

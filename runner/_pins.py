@@ -22,8 +22,6 @@ from ._engine import find_python
 from ._errors import EngineError, UserError
 from ._stacks import StackManifest, normalise
 
-PIN_FILE = "pins.json"
-REQUIREMENTS = "requirements.in"
 
 
 class ImagePin(msgspec.Struct, kw_only=True):
@@ -45,8 +43,12 @@ class PinRecord(msgspec.Struct, kw_only=True):
     images: dict[str, ImagePin] = msgspec.field(default_factory=dict)
 
 
+def pin_command(manifest: StackManifest) -> str:
+    return f"runner pin --stack {manifest.name}{' --gpu' if manifest.variant == 'gpu' else ''}"
+
+
 def pin_path(manifest: StackManifest) -> Path:
-    return manifest.folder / PIN_FILE
+    return manifest.folder / manifest.pin_file
 
 
 def read_pins(manifest: StackManifest) -> PinRecord | None:
@@ -95,7 +97,7 @@ def record_image(manifest: StackManifest, engine: str, tag: str, digest: str, lo
 def resolve_lock(manifest: StackManifest, log=lambda message: None) -> PinRecord:
     """Resolves requirements.in with pip's resolver on the stack's Python (no install: --dry-run
     --report) and writes the lock with sha256 hashes, then the pin record."""
-    requirements = manifest.folder / REQUIREMENTS
+    requirements = manifest.requirements
     if not requirements.is_file():
         raise UserError(f"{requirements}: missing; list the stack's direct requirements there (name==version), "
                         "or record the current lock with `runner pin --no-resolve`")
@@ -109,7 +111,8 @@ def resolve_lock(manifest: StackManifest, log=lambda message: None) -> PinRecord
         _run([*pip, "install", "--dry-run", "--ignore-installed", "--quiet", "--disable-pip-version-check",
               "--report", str(report), *manifest.pip_args, "-r", str(requirements)], f"resolving {requirements}")
         installs = json.loads(report.read_text())["install"]
-    lines = [f"# Lock for the {manifest.name} stack: written by `runner pin` from {REQUIREMENTS}",
+    lines = [f"# Lock for the {manifest.name} stack{' (GPU)' if manifest.variant == 'gpu' else ''}: written by "
+             f"`runner pin` from {requirements.name}",
              f"# (pip {pip_version} resolver, Python {python_version}, {_now()}). Do not edit by hand.",
              f"# Installed with: pip install --no-deps -r {manifest.lock.name}"]
     for item in sorted(installs, key=lambda i: normalise(i["metadata"]["name"])):
@@ -152,7 +155,7 @@ def check_pins(manifest: StackManifest) -> list[str]:
     record = read_pins(manifest)
     where = pin_path(manifest)
     if record is None:
-        return [f"{where}: missing; run `runner pin --stack {manifest.name}`"]
+        return [f"{where}: missing; run `{pin_command(manifest)}`"]
     drift = []
     locked = manifest.locked_packages()
     expected = {"upstream": (record.upstream, manifest.upstream.name),
@@ -163,11 +166,11 @@ def check_pins(manifest: StackManifest) -> list[str]:
               for field, (pinned, current) in expected.items() if pinned != current]
     if record.lock_sha256 != manifest.lock_sha256:
         drift.append(f"{manifest.lock}: sha256 {manifest.lock_sha256[:12]} differs from the pinned "
-                     f"{record.lock_sha256[:12]} (re-run `runner pin --stack {manifest.name}`)")
+                     f"{record.lock_sha256[:12]} (re-run `{pin_command(manifest)}`)")
     upstream = normalise(manifest.upstream.name)
     if upstream in locked and locked[upstream] != manifest.upstream.version:
         drift.append(f"{manifest.lock}: {upstream}=={locked[upstream]}, stack.toml pins {manifest.upstream.version}")
-    requirements = manifest.folder / REQUIREMENTS
+    requirements = manifest.requirements
     if requirements.is_file():
         for number, line in enumerate(requirements.read_text().splitlines(), start=1):
             match = _REQUIREMENT.match(line)

@@ -61,6 +61,7 @@ from ._policy import vocab_size
 from ._stacks import StackManifest, all_stacks, get_stack, normalise
 
 STAGES = ("probe", "service", "rollout", "update", "resume", "train", "evaluate")
+TRAINING_JOBS = ("update", "train")  # adapter jobs that train (the resume stage runs "train" jobs)
 # SFT trains on demonstrations, not sampled episodes: there is no rollout to audit.
 RECIPE_STAGES = {"grpo": STAGES, "sft": tuple(s for s in STAGES if s != "rollout")}
 
@@ -72,7 +73,8 @@ def now() -> str:
 @dataclass
 class Arm:
     """One stack on one plan. For an environment stack, `env` is its trainer's environment and
-    `service_env` the stack's own, which serves rollouts to the trainer while the arm runs."""
+    `service_env` the stack's own, which serves rollouts to the trainer while the arm runs. `gpu_env` is the
+    stack's GPU environment on GPU plans (stack.toml [gpu]): its training jobs run there instead."""
 
     manifest: StackManifest
     engine: Engine
@@ -86,6 +88,11 @@ class Arm:
     service_env: StackEnvironment | None = None
     service: ServiceHandle | ContainerService | None = None
     interrupted: dict[str, Path] = field(default_factory=dict)  # stage -> its set-aside interrupted attempt
+    gpu_env: StackEnvironment | None = None
+
+    def trains_on_gpu(self, job: str) -> bool:
+        """Whether an adapter job of this stage name runs in the stack's GPU environment."""
+        return self.gpu_env is not None and job in TRAINING_JOBS
 
     @property
     def run_id(self) -> str:
@@ -116,12 +123,15 @@ class Arm:
 
 
 def prepare_arm(manifest: StackManifest, engine: Engine, plan: Plan, run_dir: Path) -> Arm:
-    """Environments for one arm: the stack's own, plus its trainer's for an environment stack."""
+    """Environments for one arm: the stack's own, plus its trainer's for an environment stack, plus its GPU
+    environment on a GPU plan when it has one."""
+    gpu_env = engine.prepare(manifest.for_gpu()) if plan.budget.gpus and manifest.gpu else None
     if manifest.is_environment:
         trainer = get_stack(manifest.trainer or "")
         return Arm(manifest=manifest, engine=engine, env=engine.prepare(trainer), plan=plan, run_dir=run_dir,
-                   service_env=engine.prepare(manifest))
-    return Arm(manifest=manifest, engine=engine, env=engine.prepare(manifest), plan=plan, run_dir=run_dir)
+                   service_env=engine.prepare(manifest), gpu_env=gpu_env)
+    return Arm(manifest=manifest, engine=engine, env=engine.prepare(manifest), plan=plan, run_dir=run_dir,
+               gpu_env=gpu_env)
 
 
 @dataclass
@@ -148,12 +158,18 @@ class AdapterFailed(Exception):
 
 def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None, resume_from: Path | None = None,
                 options: dict[str, Any] | None = None, kill_when: Callable[[], bool] | None = None,
-                allow_kill: bool = False, in_stack_env: bool = False) -> tuple[RunOutcome, StageResult | None]:
+                allow_kill: bool = False, in_stack_env: bool = False,
+                on_gpu: bool = False) -> tuple[RunOutcome, StageResult | None]:
     """Runs one adapter job. Environment-stack arms run trainer jobs against their rollout service;
-    `in_stack_env` runs the job in the environment stack's own environment instead."""
+    `in_stack_env` runs the job in the environment stack's own environment instead. Training jobs of an arm
+    with a GPU environment, and jobs with `on_gpu`, run in that environment (the stack trains itself)."""
     options = dict(options or {})
     env = arm.env
-    if arm.service_env is not None:
+    on_gpu = on_gpu or arm.trains_on_gpu(stage)
+    if on_gpu:
+        assert arm.gpu_env is not None
+        env, in_stack_env = arm.gpu_env, True
+    elif arm.service_env is not None:
         if in_stack_env:
             env = arm.service_env
         else:
@@ -190,8 +206,8 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
 
 
 def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, *, in_stack_env: bool,
-           prefix: str = "probe") -> tuple[EnvironmentInfo, StageResult, list[GateResult]]:
-    _, result = run_adapter(arm, "probe", out, in_stack_env=in_stack_env)
+           prefix: str = "probe", on_gpu: bool = False) -> tuple[EnvironmentInfo, StageResult, list[GateResult]]:
+    _, result = run_adapter(arm, "probe", out, in_stack_env=in_stack_env, on_gpu=on_gpu)
     assert result is not None and result.environment is not None
     reported = result.environment
     installed = {normalise(name): version for name, version in reported.packages.items()}
@@ -242,16 +258,26 @@ def stage_probe(arm: Arm) -> StageOutput:
     out = arm.stage_dir("probe")
     if arm.service_env is None:
         arm.environment, result, gates = _probe(arm, arm.manifest, arm.env, out, in_stack_env=False)
-        return StageOutput(metrics={"python": arm.environment.python, "capabilities": result.capabilities,
-                                    **result.metrics}, gates=gates)
-    arm.environment, result, gates = _probe(arm, arm.manifest, arm.service_env, out, in_stack_env=True)
-    trainer_env, trainer_result, trainer_gates = _probe(arm, arm.env.manifest, arm.env, out / "trainer",
-                                                        in_stack_env=False, prefix="trainer")
-    return StageOutput(gates=gates + trainer_gates, metrics={
-        "python": arm.environment.python, "capabilities": result.capabilities, **result.metrics,
-        "trainer": {"stack": arm.env.manifest.name, "python": trainer_env.python,
-                    "upstream": msgspec.to_builtins(trainer_env.upstream), "lock_sha256": trainer_env.lock_sha256,
-                    **trainer_result.metrics}})
+        output = StageOutput(metrics={"python": arm.environment.python, "capabilities": result.capabilities,
+                                      **result.metrics}, gates=gates)
+    else:
+        arm.environment, result, gates = _probe(arm, arm.manifest, arm.service_env, out, in_stack_env=True)
+        trainer_env, trainer_result, trainer_gates = _probe(arm, arm.env.manifest, arm.env, out / "trainer",
+                                                            in_stack_env=False, prefix="trainer")
+        output = StageOutput(gates=gates + trainer_gates, metrics={
+            "python": arm.environment.python, "capabilities": result.capabilities, **result.metrics,
+            "trainer": _probed(arm.env.manifest.name, trainer_env, trainer_result)})
+    if arm.gpu_env is not None:
+        gpu_env, gpu_result, gpu_gates = _probe(arm, arm.gpu_env.manifest, arm.gpu_env, out / "gpu",
+                                                in_stack_env=True, prefix="gpu", on_gpu=True)
+        output.gates += gpu_gates
+        output.metrics["gpu_environment"] = _probed(arm.manifest.name, gpu_env, gpu_result)
+    return output
+
+
+def _probed(stack: str, environment: EnvironmentInfo, result: StageResult) -> dict[str, Any]:
+    return {"stack": stack, "python": environment.python, "upstream": msgspec.to_builtins(environment.upstream),
+            "lock_sha256": environment.lock_sha256, **result.metrics}
 
 
 def stage_service(arm: Arm) -> StageOutput:
@@ -339,6 +365,24 @@ def _environment_arm_audit(arm: Arm, out: Path, result: StageResult | None) -> t
     return gates, metrics
 
 
+def _gpu_training_audit(arm: Arm, out: Path, result: StageResult | None) -> tuple[list[GateResult], dict]:
+    """verl's job: its vLLM servers keep no call log, so the gateway's capture (the trajectories) is the record
+    of what was sampled; every rollout the store worker ran must be there, a failed one marked."""
+    rollouts = (result.metrics.get("rollouts") if result else None) or {}
+    trajectories = _read_any(out, "trajectories.jsonl", Trajectory)
+    failed = sum(1 for t in trajectories if t.outcome == "error")
+    claimed = rollouts.get("claimed", 0)
+    accounted = (len(trajectories) == claimed == rollouts.get("succeeded", 0) + rollouts.get("failed", 0)
+                 and failed == rollouts.get("failed", 0) and not rollouts.get("worker_error"))
+    gate = GateResult(
+        name="calls:store-rollouts-accounted", passed=accounted, measured=len(trajectories), threshold=claimed,
+        detail=f"{claimed} rollouts run by the store worker ({rollouts.get('failed', 0)} failed: "
+               f"{'; '.join(rollouts.get('failures', [])[:2]) or 'none'}); {len(trajectories)} trajectories from the "
+               f"trainer's completed rollouts, {failed} marked error"
+               + (f"; worker stopped: {rollouts['worker_error']}" if rollouts.get("worker_error") else ""))
+    return [gate], {"failed_episodes": failed, "rollouts": rollouts}
+
+
 def _throughput(arm: Arm, result: StageResult | None, metrics: dict[str, Any]) -> dict[str, float]:
     """Episodes and policy tokens per second of generation: the rollout service's batches for environment
     arms (environment + policy server), TRL's generate-and-score for the trl arm."""
@@ -407,11 +451,14 @@ def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageO
                                    read_jsonl(out / "training.jsonl", TrainingRow), steps)
     else:
         gates, metrics = audit_trace(arm, out, signal=signal, revisions=revisions)
-        call_checks, call_metrics = _environment_arm_audit(arm, out, result)
+        audit = _gpu_training_audit if arm.trains_on_gpu(stage) else _environment_arm_audit
+        call_checks, call_metrics = audit(arm, out, result)
         gates += call_checks
         metrics.update(call_metrics)
         metrics.update(_throughput(arm, result, metrics))
-    losses = [float(x) for x in (result.metrics.get("loss", []) if result else [])]
+    metrics["trainer"] = ("verl" if arm.trains_on_gpu(stage) else
+                          f"{arm.env.manifest.name}-{'gpu' if arm.plan.budget.gpus else 'cpu'}")
+    losses = [float(x) for x in (result.metrics.get("loss", []) if result else []) if x is not None]
     gates += update_gates(losses, steps, arm.plan.policy.sha256 or "", revisions, incomplete)
     metrics.update(loss=losses, steps=steps)
     checkpoints = [Checkpoint(step=step, path=str((out / "checkpoints" / f"checkpoint-{step}").relative_to(arm.run_dir)),

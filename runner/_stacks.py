@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import tomllib
 from dataclasses import dataclass, field
@@ -16,6 +17,14 @@ class Upstream:
     name: str
     version: str
     git_revision: str | None = None
+
+
+@dataclass(frozen=True)
+class GpuVariant:
+    """A stack's GPU environment: on GPU plans its training jobs (update, train, and so resume) run there."""
+
+    lock: Path
+    requirements: Path
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,10 @@ class StackManifest:
     trainer: str | None = None  # for environment stacks: the trainer stack that drives them
     pip_args: tuple[str, ...] = ()  # extra arguments for installing the lock
     deviations: tuple[str, ...] = ()  # known departures from upstream's declared requirements (recorded in evidence)
+    requirements: Path = Path("requirements.in")  # direct requirements `runner pin` resolves into the lock
+    pin_file: str = "pins.json"
+    variant: str = "cpu"  # cpu, or gpu for the environment from [gpu] lock
+    gpu: GpuVariant | None = None
 
     @property
     def is_environment(self) -> bool:
@@ -43,6 +56,21 @@ class StackManifest:
     @property
     def lock_sha256(self) -> str:
         return hashlib.sha256(self.lock.read_bytes()).hexdigest()
+
+    def for_gpu(self) -> StackManifest:
+        """The stack with its GPU lock (a trainer in its own right there); itself when it has none."""
+        if self.gpu is None:
+            return self
+        return dataclasses.replace(self, lock=self.gpu.lock, requirements=self.gpu.requirements,
+                                   pin_file="pins-gpu.json", variant="gpu", pip_args=())
+
+    @property
+    def image_name(self) -> str:
+        """The stack's name for its images and SIF files: <name>, or <name>-gpu for its GPU environment."""
+        return self.name if self.variant == "cpu" else f"{self.name}-{self.variant}"
+
+    def variants(self) -> list[StackManifest]:
+        return [self] if self.gpu is None else [self, self.for_gpu()]
 
     def locked_packages(self) -> dict[str, str]:
         """name -> version from the lock (name normalised, local version label kept)."""
@@ -98,6 +126,8 @@ def load_manifest(path: Path) -> StackManifest:
         trainer=data.get("trainer"),
         pip_args=tuple(data.get("pip_args", ())),
         deviations=tuple(data.get("deviations", ())),
+        requirements=folder / "requirements.in",
+        gpu=_gpu_variant(path, folder, data.get("gpu")),
     )
     if manifest.kind not in ("trainer", "environment"):
         raise UserError(f"{path}: field kind: expected 'trainer' or 'environment', got {manifest.kind!r}")
@@ -106,6 +136,18 @@ def load_manifest(path: Path) -> StackManifest:
     if not manifest.lock.is_file():
         raise UserError(f"{path}: field lock: {manifest.lock} does not exist")
     return manifest
+
+
+def _gpu_variant(path: Path, folder: Path, data: dict | None) -> GpuVariant | None:
+    if data is None:
+        return None
+    missing = [key for key in ("lock", "requirements") if key not in data]
+    if missing:
+        raise UserError(f"{path}: table [gpu] lacks field(s) {', '.join(missing)}; expected lock and requirements")
+    variant = GpuVariant(lock=folder / data["lock"], requirements=folder / data["requirements"])
+    if not variant.lock.is_file():
+        raise UserError(f"{path}: field gpu.lock: {variant.lock} does not exist")
+    return variant
 
 
 def all_stacks() -> dict[str, StackManifest]:

@@ -69,6 +69,32 @@ def test_a_corrupt_pin_record_is_a_clear_error(stacks):
     assert result.returncode == 2 and "pins.json" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_the_gpu_environment_is_pinned_and_checked_on_its_own(stacks):
+    result = runner("pin", "--check", "--json", stacks=stacks)
+    assert json.loads(result.stdout)["drift"]["lightning-verl (gpu)"] == []
+    lock = stacks / "lightning-verl" / "requirements-gpu.lock"
+    lock.write_text(lock.read_text().replace("vllm==0.24.0", "vllm==0.23.0"))
+    result = runner("pin", "--check", "--stack", "lightning-verl", "--json", stacks=stacks)
+    drift = json.loads(result.stdout)["drift"]
+    assert result.returncode == 1 and drift["lightning-verl"] == []  # the CPU environment is untouched
+    assert any("requirements-gpu.lock: sha256" in p and "runner pin --stack lightning-verl --gpu" in p
+               for p in drift["lightning-verl (gpu)"]), drift
+
+
+def test_gpu_pinning_a_stack_without_a_gpu_environment_is_a_clear_error(stacks):
+    result = runner("pin", "--stack", "trl", "--gpu", stacks=stacks)
+    assert result.returncode == 2 and "stack trl has no GPU environment" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_gpu_table_without_its_lock_is_a_clear_error(stacks):
+    manifest = stacks / "lightning-verl" / "stack.toml"
+    manifest.write_text(manifest.read_text().replace('lock = "requirements-gpu.lock"\n', ""))
+    result = runner("pin", "--check", stacks=stacks)
+    assert result.returncode == 2 and "table [gpu] lacks field(s) lock" in result.stderr
+    assert str(manifest) in result.stderr and "Traceback" not in result.stderr
+
+
 def test_locks_with_hashes_parse(tmp_path):
     lock = tmp_path / "requirements.lock"
     lock.write_text("# comment\nmsgspec==0.23.0 --hash=sha256:" + "a" * 64 + "\nPyYAML==6.0.4\n")

@@ -8,14 +8,18 @@ also needs the trl environment and the cached tiny calc policy (built on first u
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import msgspec
 import pytest
 from stack_checks import (
     PLAN,
+    ROOT,
     SAMPLING,
     assert_crash_mid_batch_loses_nothing,
     assert_only_its_own_upstream,
@@ -113,17 +117,15 @@ server.close()
 """
 
 
-def test_gateway_capture_equals_the_policy_servers_log(env, tmp_path):
-    """The trl stack's real PolicyServer (tiny calc policy, trl env) behind the gateway: every episode's
-    captured prompt ids, sampled ids and logprobs equal what the server logged, and chain into one row."""
-    from qualification.tasks import get_family
+@contextlib.contextmanager
+def trl_policy_server(calls_path: Path):
+    """The trl stack's PolicyServer on the cached tiny calc policy, in the trl environment; yields its URL."""
     from runner._policy import build_tiny
 
     engine = LocalEngine()
     plan = load_plan(PLAN)
     policy_dir = build_tiny(engine, dict(plan.policy.tiny or {}), plan)
     trl = engine.prepare(get_stack("trl"))
-    calls_path = tmp_path / "calls.jsonl"
     server = subprocess.Popen(
         [str(trl.python), "-c", POLICY_SERVER, json.dumps({
             "policy_dir": str(policy_dir), "calls_path": str(calls_path), "sampling": msgspec.to_builtins(SAMPLING)})],
@@ -131,14 +133,25 @@ def test_gateway_capture_equals_the_policy_servers_log(env, tmp_path):
     try:
         base_url = server.stdout.readline().strip()
         assert base_url.startswith("http://127.0.0.1:"), base_url
+        yield base_url
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
+
+
+def test_gateway_capture_equals_the_policy_servers_log(env, tmp_path):
+    """The trl stack's real PolicyServer (tiny calc policy, trl env) behind the gateway: every episode's
+    captured prompt ids, sampled ids and logprobs equal what the server logged, and chain into one row."""
+    from qualification.tasks import get_family
+
+    plan = load_plan(PLAN)
+    calls_path = tmp_path / "calls.jsonl"
+    with trl_policy_server(calls_path) as base_url:
         family = get_family("calc-tool")
         episodes = [EpisodeSpec(episode_id=f"real/{index}", task_id=item.task_id, family=family.name,
                                 item=item.to_json(), seed=0, max_turns=plan.budget.max_turns)
                     for index, item in enumerate(family.generate("train", 4, 7))]
         results = _run_driver(env, base_url, "policy", episodes)
-    finally:
-        server.stdin.close()
-        server.wait(timeout=60)
     served = [json.loads(line) for line in Path(calls_path).read_text().splitlines()]
     assert {c["channel"] for c in served} == {"path"} and all(c["episode_id"] for c in served)
     assert [r["episode_id"] for r in results] == [e.episode_id for e in episodes]
@@ -212,3 +225,143 @@ def test_harness_killed_mid_episode_is_marked_failed_in_the_store_and_retried(en
     marked = out["marked"]
     assert {m["metadata"]["episode_id"] for m in marked} == retried
     assert all(m["status"]["error_message"] == "team harness killed by signal 9" for m in marked)
+
+
+STORE_WORKER = r"""
+import json, sys, time, threading, uuid
+import numpy as np
+from agentlightning.hooks import RolloutHooks
+from agentlightning.verl.agl_rollout_manager import AglRolloutManager
+from runner_stack_lightning_verl.backend import LightningBackend
+from runner_stack_lightning_verl.store_worker import StoreWorker
+
+args = json.loads(sys.stdin.read())
+
+
+class NameEpisodes(RolloutHooks):
+    # The trl policy server that stands in for verl's vLLM servers attributes every call to an episode
+    # (vLLM needs no such name: verl's own rollouts are enqueued without one).
+    def on_enqueue(self, request):
+        return request.model_copy(update={"metadata": {"episode_id": f"verl/{uuid.uuid4().hex}"}})
+
+
+def kill_when_two_run(backend):
+    while len(backend.running_harnesses()) < 2:
+        time.sleep(0.01)
+    backend.kill_harnesses()
+
+
+backend = LightningBackend()
+backend.gateway.model, backend.gateway.temperature = args["model"], 1.0
+backend.start()
+worker = StoreWorker(backend, model=args["model"], max_turns=args["max_turns"], poll_s=0.1).start()
+out = {}
+try:
+    for phase in ("plain", "harness-killed"):
+        manager = AglRolloutManager(agl_base_url=backend.gateway.url, agl_key=backend.gateway.key,
+                                    model=args["model"], step=1, train_rollout_n=args["n"], hooks=NameEpisodes(),
+                                    poll_interval_seconds=0.1)
+        manager.delete_model()
+        manager.register_model([args["base_url"]])
+        data = {key: np.array([row[key] for row in args["rows"]], dtype=object) for key in ("item", "task_id", "family")}
+        if phase == "harness-killed":
+            threading.Thread(target=kill_when_two_run, args=(backend,), daemon=True).start()
+        completed = manager.enqueue_and_wait_until_completed(data, is_train=True)
+        out[phase] = [c.model_dump(mode="json") for c in completed]
+finally:
+    worker.stop()
+    backend.stop()
+out["counts"] = vars(worker.counts)
+print(json.dumps(out))
+"""
+
+
+def test_store_worker_runs_the_rollouts_verls_manager_enqueues(env, tmp_path):
+    """The GPU path's rollout half with upstream's own AglRolloutManager (what verl's trainer calls each step):
+    it registers the policy endpoint and enqueues G samples per task row; the StoreWorker runs each with the
+    team harness and posts the reference score; the manager reads back the gateway's captured calls. The trl
+    policy server stands in for verl's vLLM servers (no vLLM or GPU here). Then a second batch whose running
+    harnesses are SIGKILLed: those rollouts come back failed with the reason, none is lost."""
+    import importlib.util
+
+    from qualification.tasks import get_family
+
+    plan = load_plan(PLAN)
+    calls_path = tmp_path / "calls.jsonl"
+    family = get_family("calc-tool")
+    rows = [{"item": item.to_json(), "task_id": item.task_id, "family": family.name}
+            for item in family.generate("train", 3, 11)]
+    with trl_policy_server(calls_path) as base_url:
+        run = subprocess.run([str(env.python), "-c", STORE_WORKER], input=json.dumps({
+            "base_url": base_url, "model": "policy", "n": 2, "max_turns": plan.budget.max_turns, "rows": rows}),
+            capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    served = [json.loads(line) for line in calls_path.read_text().splitlines()]
+
+    plain = out["plain"]
+    assert len(plain) == 6 and {r["rollout_state"] for r in plain} == {"succeeded"}
+    assert sorted(Counter(r["data_id"] for r in plain).values()) == [2, 2, 2]  # G = 2 per task row
+    for rollout in plain:
+        reward = [e["data"] for e in rollout["events"] if e["event_type"] == "reward"][-1]
+        assert reward["source"] == "reference-scorer" and rollout["final_reward"] == reward["value"]
+        logged = [c for c in served if c["episode_id"] == rollout["metadata"]["episode_id"]]
+        captured = [(t["prompt"]["token_ids"], t["response"]["token_ids"], t["response"]["log_probs"])
+                    for t in rollout["triplets"]]
+        assert captured == [(c["prompt_ids"], c["completion_ids"], c["logprobs"]) for c in logged]
+        assert len(captured) == reward["turns"] >= 1
+
+    spec = importlib.util.spec_from_file_location(
+        "verl_evidence", ROOT / "stacks/lightning-verl/adapter/src/runner_stack_lightning_verl/verl_evidence.py")
+    evidence = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evidence)
+    trajectories = evidence.trajectories_of(plain, run_id="run", stack="lightning-verl", stage="update", step=1,
+                                            revision="rev0")
+    for trajectory, rollout in zip(trajectories, plain, strict=True):
+        logged = [c for c in served if c["episode_id"] == rollout["metadata"]["episode_id"]]
+        policy = [t for s in trajectory.segments if s.source == "policy" for t in s.token_ids]
+        assert policy == [t for c in logged for t in c["completion_ids"]]
+
+    killed = out["harness-killed"]
+    assert len(killed) == 6  # every enqueued rollout came back
+    failed = [r for r in killed if r["rollout_state"] == "failed"]
+    assert len(failed) >= 2 and all(r["error_message"] == "team harness killed by signal 9" for r in failed)
+    marked = evidence.trajectories_of(killed, run_id="run", stack="lightning-verl", stage="update", step=2,
+                                      revision="rev1")
+    assert sum(t.outcome == "error" for t in marked) == len(failed)
+    counts = out["counts"]
+    assert counts["claimed"] == 12 and counts["failed"] == len(failed) and counts["succeeded"] == 12 - len(failed)
+
+
+def test_gpu_plan_routes_training_jobs_to_the_stacks_gpu_environment(env, tmp_path):
+    """On a GPU plan the arm probes its GPU environment and runs update/train as its own job (verl), not as
+    a trl trainer job against the rollout service. This machine has no GPU and the GPU environment's lock
+    (torch + vLLM, ~10 GB) is not installed here, so the CPU environment stands in for it: the probe's gpu:
+    gates name the difference, and the update job fails saying what verl lacks. Nothing is faked below the
+    engine: real environments, real adapter jobs."""
+    from runner._policy import resolve_policy
+    from runner._qualify import Arm, run_stage
+    from runner_contracts import StageRequest, read_record
+
+    engine = LocalEngine()
+    manifest = get_stack("lightning-verl")
+    plan = load_plan(PLAN)
+    plan = resolve_policy(msgspec.structs.replace(plan, budget=msgspec.structs.replace(plan.budget, gpus=1)), engine)
+    stand_in = dataclasses.replace(env, manifest=manifest.for_gpu())  # the CPU environment, as the GPU one
+    arm = Arm(manifest=manifest, engine=engine, env=engine.prepare(get_stack("trl")), plan=plan,
+              run_dir=tmp_path / "run", service_env=env, gpu_env=stand_in)
+    assert arm.trains_on_gpu("update") and arm.trains_on_gpu("train") and not arm.trains_on_gpu("rollout")
+    try:
+        probe = run_stage(arm, "probe")
+        update = run_stage(arm, "update")
+    finally:
+        arm.close()
+    gates = {g.name: g for g in probe.gates}
+    assert gates["probe:lock-match"].passed and gates["trainer:lock-match"].passed  # the CPU arm as before
+    assert not gates["gpu:lock-match"].passed and "torch" in gates["gpu:lock-match"].detail
+    assert not gates["gpu:pins"].passed and "was built from lock" in gates["gpu:pins"].detail
+    assert probe.metrics["gpu_environment"]["lock_sha256"] == env.lock_sha256
+    assert update.status == "error" and update.error.kind == "GpuUnavailable"
+    assert "lacks torch, vllm" in update.error.message and "requirements-gpu.lock" in update.error.message
+    request = read_record(tmp_path / "run" / "stages" / "update" / "request.json", StageRequest)
+    assert request.plan.budget.gpus == 1 and "rollout_service" not in request.options  # its own job

@@ -10,6 +10,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .._errors import EngineError, UserError
 
@@ -28,5 +29,5 @@ def cli_errors() -> Iterator[None]:
     try:
         yield
     except (UserError, EngineError) as error:
-        err_console.print(f"[red]error:[/] {error}", highlight=False, markup=True)
+        err_console.print(f"[red]error:[/] {escape(str(error))}", highlight=False, markup=True)
         raise typer.Exit(2) from None

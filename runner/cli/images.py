@@ -59,6 +59,8 @@ def build(
     """
     with cli_errors():
         manifest = get_stack(stack)
+        if flavour == "gpu":
+            manifest = manifest.for_gpu()  # a stack with a GPU lock builds its GPU image from it
         client = _engine(engine)
         with err_console.status(f"building the {stack} image"):
             image = build_stack_image(client, manifest, flavour=flavour, certs=ca_cert or None,
@@ -112,18 +114,20 @@ def export(
             raise UserError(f"--to {to!r}: expected sif, docker-archive or def")
         manifest = get_stack(stack)
         if to == "def":
+            manifest = manifest.for_gpu()  # the .def bootstraps from the CUDA base: the GPU lock where there is one
+            name = manifest.image_name
             base = base_for(manifest, "gpu")
             inputs = context_inputs(manifest, base.tag, extra_ca_certificates(None), "gpu")
-            target = out / f"{stack}-def"
+            target = out / f"{name}-def"
             with build_context(manifest, inputs) as context:
                 if target.exists():
                     raise UserError(f"{target} exists; remove it or choose another --out")
                 shutil.copytree(context, target)
-            (target / f"{stack}.def").write_text(definition(
+            (target / f"{name}.def").write_text(definition(
                 manifest, stack_definition(manifest), inputs["buildargs"], base_containerfile=base.definition,
                 base_args={"CUDA_IMAGE": base.image or "", "PYTHON": base.python}, context=target))
-            console.print(f"wrote {target / (stack + '.def')} and its build context; on the cluster:\n  "
-                          + shlex.join(build_from_definition_command(Path(f"{stack}.sif"), Path(f"{stack}.def"),
+            console.print(f"wrote {target / (name + '.def')} and its build context; on the cluster:\n  "
+                          + shlex.join(build_from_definition_command(Path(f"{name}.sif"), Path(f"{name}.def"),
                                                                      apptainer)), highlight=False)
             return
         client = _engine(engine)

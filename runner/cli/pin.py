@@ -7,6 +7,7 @@ import typer
 from rich.table import Table
 
 from .._pins import check_pins, record_lock, resolve_lock
+from .._errors import UserError
 from .._stacks import all_stacks, get_stack
 from ._common import cli_errors, console, err_console, print_json
 
@@ -16,18 +17,22 @@ def pin(
     check: bool = typer.Option(False, "--check", help="Only compare stack.toml, requirements.in, the lock and "
                                                       "pins.json; exit 1 naming what drifted. Runs nothing."),
     no_resolve: bool = typer.Option(False, "--no-resolve", help="Record the current lock as is (no resolver run)."),
+    gpu: bool = typer.Option(False, "--gpu", help="Pin the stack's GPU environment instead ([gpu] in stack.toml: "
+                                                  "its own requirements and lock, record in pins-gpu.json)."),
     json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Pin a stack: resolve stacks/<stack>/requirements.in into its lock (pip's resolver, sha256 hashes)
     and write stacks/<stack>/pins.json (upstream, version, git revision, Python, lock sha256).
 
-    `runner images build` adds image digests to the same record; the probe gate of every engine compares
-    the running environment with the lock and fails on drift.
+    With --gpu, the stack's GPU environment instead (e.g. lightning-verl: requirements-gpu.in ->
+    requirements-gpu.lock and pins-gpu.json). `runner images build` adds image digests to the same record;
+    the probe gate of every engine compares the running environment with the lock and fails on drift.
     """
     with cli_errors():
         if check:
             manifests = [get_stack(stack)] if stack else list(all_stacks().values())
-            drift = {manifest.name: check_pins(manifest) for manifest in manifests}
+            drift = {f"{variant.name}{' (gpu)' if variant.variant == 'gpu' else ''}": check_pins(variant)
+                     for manifest in manifests for variant in manifest.variants()}
             if json_output:
                 print_json({"drift": drift, "passed": not any(drift.values())})
             else:
@@ -41,6 +46,10 @@ def pin(
         if not stack:
             raise typer.BadParameter("name the stack to pin with --stack (or use --check)")
         manifest = get_stack(stack)
+        if gpu:
+            if manifest.gpu is None:
+                raise UserError(f"stack {stack} has no GPU environment ([gpu] table in its stack.toml)")
+            manifest = manifest.for_gpu()
         if no_resolve:
             record = record_lock(manifest, resolver="recorded from the existing lock")
         else:
@@ -50,4 +59,4 @@ def pin(
         print_json(msgspec.to_builtins(record))
     else:
         console.print(f"{manifest.lock} ({len(manifest.locked_packages())} pins, sha256 {record.lock_sha256[:12]}) "
-                      f"and {manifest.folder / 'pins.json'} written", highlight=False)
+                      f"and {manifest.folder / manifest.pin_file} written", highlight=False)

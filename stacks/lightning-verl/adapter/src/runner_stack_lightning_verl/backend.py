@@ -8,10 +8,12 @@ Per episode (one Agent Lightning rollout per attempt, as its local controller ru
    `/proxy/rollout/<rid>/attempt/0/mode/train/openai/v1`;
 3. the gateway forwards every call to the policy at `<policy root>/episodes/<episode id>/v1` (see
    gateway.py), adding the vLLM fields `return_token_ids: true` and `logprobs: true`, and stores the call;
-4. read the rollout's calls back from the store in Agent Lightning's training ("triplet") format:
-   prompt_token_ids, response_token_ids, response_log_probs → EpisodeResult.captured_calls, call order;
-5. score the harness's transcript with the task family's reference scorer, post it as the rollout's
-   `reward` event, mark the rollout succeeded, and drop it from the in-memory store.
+4. score the harness's transcript with the task family's reference scorer, post it as the rollout's
+   `reward` event (with outcome, finish reason and turns) and mark the rollout succeeded (`run_rollout`,
+   which the GPU path's store worker shares);
+5. read the rollout's calls back from the store in Agent Lightning's training ("triplet") format:
+   prompt_token_ids, response_token_ids, response_log_probs → EpisodeResult.captured_calls, call order,
+   and drop the rollout from the in-memory store.
 
 A harness killed by a signal, or a gateway that is down, raises EnvironmentDown (the scaffold restarts the
 gateway and retries the episode as a new rollout); the abandoned rollout is marked failed in the store
@@ -35,7 +37,7 @@ import uuid
 from typing import Any
 
 from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend, ServerProcess
-from qualification.tasks import TaskItem, ToolCall, Transcript, get_family
+from qualification.tasks import Score, TaskItem, ToolCall, Transcript, get_family
 from runner_contracts import CapturedCall, EpisodeResult, EpisodeSpec, ToolCallRecord
 
 ATTEMPT = "0"  # agentlightning.schemas.DEFAULT_ATTEMPT_ID: a retry is a new rollout, as agl-controller runs them
@@ -184,11 +186,9 @@ class LightningBackend(RolloutBackend):
 
     def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
         started = time.monotonic()
-        item = TaskItem.from_json(episode.item)
-        family = get_family(episode.family)
         gateway, generation = self._gateway_for(policy)
         try:
-            return self._episode(gateway, episode, policy, item, family, started)
+            return self._episode(gateway, episode, policy, started)
         except EnvironmentDown:
             raise
         except Exception as error:
@@ -197,46 +197,55 @@ class LightningBackend(RolloutBackend):
                                       f"{type(error).__name__}: {str(error)[:300]}") from error
             raise
 
-    def _episode(self, gateway: Gateway, episode: EpisodeSpec, policy: PolicyEndpoint, item: TaskItem, family,
-                 started: float) -> EpisodeResult:
+    def _episode(self, gateway: Gateway, episode: EpisodeSpec, policy: PolicyEndpoint, started: float) -> EpisodeResult:
         rollout_id = uuid.uuid4().hex  # the episode id goes in metadata: it may hold "/" (a path segment here)
         gateway.api("POST", "/api/rollouts", [{
             "rollout_id": rollout_id, "input": {"data_id": episode.task_id, "family": episode.family},
             "is_train": True, "metadata": {"episode_id": episode.episode_id, "task_id": episode.task_id}}])
-        self._patch(gateway, rollout_id, state="running", last_attempt_id=ATTEMPT)
-        try:
-            transcript = self._run_harness(gateway, rollout_id, episode, policy)
-        except EnvironmentDown as error:
-            self._mark_failed(gateway, rollout_id, str(error))
-            raise
-        except Exception as error:
-            self._mark_failed(gateway, rollout_id, f"{type(error).__name__}: {error}")
-            raise
+        task = {"family": episode.family, "item": episode.item, "max_turns": episode.max_turns}
+        transcript, score = self.run_rollout(gateway, rollout_id, task, policy.model)
         events = gateway.api("GET", f"/api/rollouts/{rollout_id}/events?event_type=model_request&format=triplet")
         captured = _captured_calls(events, transcript["turns"])
-        calls = [ToolCall(c["name"], c["arguments"], c["result"]) for c in transcript["tool_calls"]]
-        score = family.score(item, Transcript(final_text=transcript["final_text"], tool_calls=calls))
-        finish = transcript["finish_reason"]
-        truncated = finish in ("length", "max_turns") and not score.success
-        gateway.api("POST", f"/api/rollouts/{rollout_id}/attempt/{ATTEMPT}/events", {
-            "event_type": "reward", "data": {"value": score.reward, "source": "reference-scorer",
-                                             "reason": score.outcome}})
-        self._patch(gateway, rollout_id, state="succeeded", last_attempt_id=ATTEMPT)
         gateway.api("DELETE", f"/api/rollouts/{rollout_id}")  # read out: keep the in-memory store small
+        finish = transcript["finish_reason"]
         return EpisodeResult(
             episode_id=episode.episode_id, task_id=episode.task_id, status="completed", reward=score.reward,
-            reward_components=dict(score.components), success=score.success,
-            outcome="truncated" if truncated else score.outcome, finish_reason=finish, turns=transcript["turns"],
-            final_text=transcript["final_text"],
-            tool_calls=[ToolCallRecord(name=c.name, arguments=c.arguments, result=c.result) for c in calls],
+            reward_components=dict(score.components), success=score.success, outcome=outcome_of(score, finish),
+            finish_reason=finish, turns=transcript["turns"], final_text=transcript["final_text"],
+            tool_calls=[ToolCallRecord(name=c["name"], arguments=c["arguments"], result=c["result"])
+                        for c in transcript["tool_calls"]],
             seconds=round(time.monotonic() - started, 3), captured_calls=captured)
 
-    def _run_harness(self, gateway: Gateway, rollout_id: str, episode: EpisodeSpec,
-                     policy: PolicyEndpoint) -> dict[str, Any]:
+    def run_rollout(self, gateway: Gateway, rollout_id: str, task: dict[str, Any],
+                    model: str) -> tuple[dict[str, Any], Score]:
+        """One attempt at a rollout already in the store: marks it running, runs the team harness against
+        the gateway's proxy URL for it, scores the transcript with the family's reference scorer, posts the
+        score as the rollout's `reward` event and marks it succeeded. A failure marks it failed (with the
+        reason) and raises: EnvironmentDown when the harness was killed or the gateway is gone."""
+        self._patch(gateway, rollout_id, state="running", last_attempt_id=ATTEMPT)
+        try:
+            transcript = self._run_harness(gateway, rollout_id, task, model)
+            family = get_family(task["family"])
+            calls = [ToolCall(c["name"], c["arguments"], c["result"]) for c in transcript["tool_calls"]]
+            score = family.score(TaskItem.from_json(task["item"]),
+                                 Transcript(final_text=transcript["final_text"], tool_calls=calls))
+        except Exception as error:
+            self.mark_failed(gateway, rollout_id, str(error) if isinstance(error, EnvironmentDown)
+                              else f"{type(error).__name__}: {error}")
+            raise
+        gateway.api("POST", f"/api/rollouts/{rollout_id}/attempt/{ATTEMPT}/events", {
+            "event_type": "reward", "data": {
+                "value": score.reward, "source": "reference-scorer", "reason": score.outcome,
+                "success": score.success, "components": dict(score.components),
+                "outcome": outcome_of(score, transcript["finish_reason"]),
+                "finish_reason": transcript["finish_reason"], "turns": transcript["turns"]}})
+        self._patch(gateway, rollout_id, state="succeeded", last_attempt_id=ATTEMPT)
+        return transcript, score
+
+    def _run_harness(self, gateway: Gateway, rollout_id: str, task: dict[str, Any], model: str) -> dict[str, Any]:
         env = {**os.environ,
                "OPENAI_BASE_URL": f"{gateway.url}/proxy/rollout/{rollout_id}/attempt/{ATTEMPT}/mode/train/openai/v1",
-               "OPENAI_API_KEY": gateway.key, "OPENAI_MODEL": policy.model}
-        task = {"family": episode.family, "item": episode.item, "max_turns": episode.max_turns}
+               "OPENAI_API_KEY": gateway.key, "OPENAI_MODEL": model}
         process = subprocess.Popen([sys.executable, "-m", "runner_stack_lightning_verl.team_agent"], env=env,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, start_new_session=True)
@@ -261,12 +270,17 @@ class LightningBackend(RolloutBackend):
     def _patch(self, gateway: Gateway, rollout_id: str, **status: Any) -> None:
         gateway.api("PATCH", f"/api/rollouts/{rollout_id}", {"status": status})
 
-    def _mark_failed(self, gateway: Gateway, rollout_id: str, message: str) -> None:
+    def mark_failed(self, gateway: Gateway, rollout_id: str, message: str) -> None:
         """Best effort: a store that went down with the gateway has lost the rollout anyway."""
         try:
             self._patch(gateway, rollout_id, state="failed", error_message=message[:500])
         except (EnvironmentDown, StoreError):
             pass
+
+
+def outcome_of(score: Score, finish_reason: str) -> str:
+    """The contract outcome: a failed episode that ran out of tokens or turns is truncated."""
+    return "truncated" if finish_reason in ("length", "max_turns") and not score.success else score.outcome
 
 
 def _captured_calls(events: list[dict[str, Any]], turns: int) -> list[CapturedCall] | None:

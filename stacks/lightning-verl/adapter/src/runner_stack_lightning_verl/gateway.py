@@ -23,6 +23,8 @@ import threading
 import time
 import urllib.parse
 
+from .verl_launch import hydra_string
+
 
 def _exit_with_parent(parent_pid: int) -> None:
     """Exits when the adapter that started us is gone (the gateway is restarted from episode threads, so
@@ -56,11 +58,6 @@ def episode_router_class():
     return EpisodeProxyRouter
 
 
-def _quoted(value: str) -> str:
-    """A Hydra override value that stays one string whatever characters it holds."""
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def build_app(*, key: str, model: str, temperature: float):
     """agl-server's FastAPI app from its packaged Hydra config `server.yaml`, with our overrides."""
     from hydra import compose, initialize_config_module
@@ -69,7 +66,7 @@ def build_app(*, key: str, model: str, temperature: float):
 
     with initialize_config_module(config_module="agentlightning.config", version_base=None):
         config = compose(config_name="server", overrides=[
-            "host=127.0.0.1", f"key={key}", f"default_proxy.model_name={_quoted(model)}",
+            "host=127.0.0.1", f"key={key}", f"default_proxy.model_name={hydra_string(model)}",
             f"default_proxy.train.temperature={temperature}", f"default_proxy.val.temperature={temperature}",
             "default_proxy.include_log_probs=true",
         ])

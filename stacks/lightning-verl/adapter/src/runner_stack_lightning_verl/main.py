@@ -1,4 +1,5 @@
-"""Adapter entry point: the rollout-service stages (probe, service, serve) on the Agent Lightning backend."""
+"""Adapter entry point: the rollout-service stages (probe, service, serve) on the Agent Lightning backend, and
+on GPU plans the update and train stages with verl's trainer (verl_stage)."""
 
 from __future__ import annotations
 
@@ -9,4 +10,8 @@ from .backend import LightningBackend
 
 
 def run(request: StageRequest) -> StageResult:
+    if request.stage in ("update", "train") and request.plan.budget.gpus > 0:
+        from .verl_stage import run_verl_stage
+
+        return run_verl_stage(request)
     return adapter_main(LightningBackend(), request)

@@ -2,10 +2,11 @@
 
 `VerlLaunch` is the typed record of one launch, built from the frozen plan and a GPU profile; `overrides()`
 renders it as Hydra overrides of Agent Lightning's verl config (agentlightning/verl/config.yaml, which
-extends verl's ppo_trainer), and `command()` as the process the adapter starts on a GPU node. `main()` is
-that process: it composes the config, builds the in-memory datasets from the plan's task split and calls
-agentlightning.verl.run_ppo. Rendering is stdlib-only, so the launch line is golden-tested anywhere;
-running it needs GPUs, vLLM and verl's torch extras (see the stack's notes).
+extends verl's ppo_trainer), and `command()` as the process the adapter starts on a GPU node (verl_stage).
+`main()` is that process: it composes the config, starts Ray on 127.0.0.1 with a worker setup hook that
+installs the evidence-writing trainer (verl_evidence), builds the in-memory datasets from the plan's task
+split and calls agentlightning.verl.run_ppo. Rendering is stdlib-only, so the launch line is golden-tested
+anywhere; running it needs GPUs and the stack's GPU lock (torch, vLLM).
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MODULE = "runner_stack_lightning_verl.verl_launch"
+KEY_VARIABLE = "RUNNER_AGL_KEY"  # the gateway's bearer key reaches the config from the environment, not argv
+SETUP_HOOK = "runner_stack_lightning_verl.verl_evidence.setup_worker"
+
+
+def hydra_string(value: str) -> str:
+    """A Hydra override value that stays one string whatever characters it holds."""
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 @dataclass(frozen=True)
@@ -27,6 +35,17 @@ class GpuProfile:
     rollout_engine: str = "vllm"
     tensor_parallel: int = 1
     gpu_memory_utilization: float = 0.5
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Where the evidence-writing trainer puts the stage's files, and what it names them."""
+
+    out_dir: str
+    run_id: str
+    stack: str
+    stage: str
+    initial_revision: str  # sha256 of the weights step 1 samples with
 
 
 @dataclass(frozen=True)
@@ -45,20 +64,24 @@ class VerlLaunch:
     agl_base_url: str
     checkpoint_dir: str
     experiment: str
+    evidence: Evidence
+    resume_from: str | None = None  # a verl global_step_N folder
     profile: GpuProfile = field(default_factory=GpuProfile)
 
     @classmethod
     def from_plan(cls, plan: dict[str, Any], *, model_path: str, agl_base_url: str, checkpoint_dir: str,
-                  profile: GpuProfile, max_prompt_length: int = 1024) -> VerlLaunch:
+                  profile: GpuProfile, evidence: Evidence, steps: int | None = None, resume_from: str | None = None,
+                  max_prompt_length: int = 1024) -> VerlLaunch:
         """The plan's budget and sampling as verl sees them (`plan` is the frozen plan as JSON)."""
         budget, sampling = plan["budget"], plan["sampling"]
         return cls(
             model_path=model_path, prompts_per_step=budget["prompts_per_step"],
             generations_per_prompt=budget["generations_per_prompt"], max_prompt_length=max_prompt_length,
             max_response_length=sampling["max_new_tokens"] * budget["max_turns"],
-            learning_rate=budget["learning_rate"], steps=budget["steps"], temperature=sampling["temperature"],
+            learning_rate=budget["learning_rate"], steps=steps or budget["steps"], temperature=sampling["temperature"],
             top_p=sampling["top_p"], top_k=sampling["top_k"], seed=sampling["seed"], agl_base_url=agl_base_url,
-            checkpoint_dir=checkpoint_dir, experiment=f"{plan['name']}-{plan['plan_id'][:12]}", profile=profile)
+            checkpoint_dir=checkpoint_dir, experiment=f"{plan['name']}-{plan['plan_id'][:12]}", evidence=evidence,
+            resume_from=resume_from, profile=profile)
 
     def overrides(self) -> list[str]:
         """Hydra overrides, one concern per line group; every key exists in verl 0.9.1's ppo_trainer."""
@@ -76,6 +99,7 @@ class VerlLaunch:
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
             "actor_rollout_ref.actor.use_kl_loss=false",
             "actor_rollout_ref.actor.entropy_coeff=0",
+            "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
             f"actor_rollout_ref.rollout.name={self.profile.rollout_engine}",
             f"actor_rollout_ref.rollout.n={self.generations_per_prompt}",
             f"actor_rollout_ref.rollout.temperature={self.temperature!r}",
@@ -86,6 +110,7 @@ class VerlLaunch:
             "actor_rollout_ref.rollout.calculate_log_probs=true",
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
             f"agentlightning.agl_base_url={self.agl_base_url}",
+            f"agentlightning.agl_key=${{oc.env:{KEY_VARIABLE}}}",
             f"trainer.n_gpus_per_node={self.profile.gpus_per_node}",
             f"trainer.nnodes={self.profile.nnodes}",
             f"trainer.total_training_steps={self.steps}",
@@ -96,7 +121,13 @@ class VerlLaunch:
             f"trainer.experiment_name={self.experiment}",
             "trainer.val_before_train=false",
             "trainer.test_freq=-1",
-            "trainer.resume_mode=auto",
+            *(["trainer.resume_mode=resume_path", f"trainer.resume_from_path={self.resume_from}"]
+              if self.resume_from else ["trainer.resume_mode=disable"]),
+            f"+runner.out_dir={hydra_string(self.evidence.out_dir)}",
+            f"+runner.run_id={hydra_string(self.evidence.run_id)}",
+            f"+runner.stack={hydra_string(self.evidence.stack)}",
+            f"+runner.stage={hydra_string(self.evidence.stage)}",
+            f"+runner.initial_revision={hydra_string(self.evidence.initial_revision)}",
         ]
 
     def command(self, python: str = "python3", plan_path: str = "plan.json") -> list[str]:
@@ -119,6 +150,17 @@ def compose(overrides: list[str]):
         return hydra_compose(config_name="config", overrides=[f"hydra.searchpath=[file://{verl}]", *overrides])
 
 
+def _ray_temp_dir() -> str:
+    """Ray's session folder: RAY_TMPDIR, else the job's TMPDIR (the only writable place in a container) when
+    short enough for the AF_UNIX sockets Ray makes under it (107 bytes with ~60 of Ray's own), else /tmp/ray."""
+    import os
+
+    if os.environ.get("RAY_TMPDIR"):
+        return os.environ["RAY_TMPDIR"]
+    scratch = os.path.join(os.environ.get("TMPDIR", "/tmp"), "ray")
+    return scratch if len(scratch) <= 45 else "/tmp/ray"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) < 2 or args[0] != "--plan":
@@ -126,7 +168,15 @@ def main(argv: list[str] | None = None) -> None:
     with open(args[1]) as handle:
         plan = json.load(handle)
     config = compose(args[2:])
+    import ray
     from agentlightning.verl.entrypoint import run_ppo
+    from verl.trainer.main_ppo import get_ppo_ray_runtime_env
+
+    # run_ppo starts Ray itself unless it is running; started here, it stays on loopback and its workers run
+    # our setup hook (which also registers Agent Lightning's loss, as run_ppo's default hook would).
+    runtime_env = {**get_ppo_ray_runtime_env(), "worker_process_setup_hook": SETUP_HOOK}
+    ray.init(runtime_env=runtime_env, _node_ip_address="127.0.0.1", include_dashboard=False,
+             num_gpus=config.trainer.n_gpus_per_node, _temp_dir=_ray_temp_dir())
 
     from qualification.tasks import get_family
 
