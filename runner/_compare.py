@@ -42,6 +42,7 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
     return {
         "stack": stack,
         "upstream": f"{upstream.get('name')}=={upstream.get('version')}",
+        "trainer": train.get("trainer") or _metrics(evidence, "update").get("trainer"),
         "python": environment.get("python"),
         "deviations": environment.get("deviations") or [],
         "passed": data["passed"],
@@ -102,6 +103,7 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
 
     rows = [
         ("upstream", [a["upstream"] for a in arms]),
+        ("trainer", [a.get("trainer") or "–" for a in arms]),
         ("python", [a["python"] + (" (deviation)" if a["deviations"] else "") for a in arms]),
         ("every gate passed", [_cell(a["passed"]) for a in arms]),
         ("failed gates", [", ".join(a["failed_gates"]) or "none" for a in arms]),

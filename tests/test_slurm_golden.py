@@ -72,3 +72,30 @@ def test_profile_errors_name_the_file_and_key(tmp_path):
     bad.write_text('partition = "x"\ngres = "gpu:h100"\n')
     with pytest.raises(UserError, match=r"field gres: expected a pattern with \{gpus\}"):
         load_profile(bad)
+
+
+def test_the_gpu_plan_renders_one_gpu_apptainer_job_per_arm(tmp_path):
+    """qualification/plans/calc-tool-gpu.yaml through `runner compare --executor slurm --dry-run`: the
+    checkpoint is given by path (a stand-in file here: nothing loads it in a dry run); each arm asks for one
+    H100 and runs under Apptainer, where lightning-verl's training jobs use its GPU environment's SIF."""
+    import json
+    import subprocess
+    import sys
+
+    checkpoint = tmp_path / "Qwen2.5-0.5B-Instruct"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"stand-in weights")
+    plan_file = tmp_path / "calc-tool-gpu.yaml"
+    plan_file.write_text((ROOT / "qualification" / "plans" / "calc-tool-gpu.yaml").read_text()
+                         .replace("/shared/models/Qwen2.5-0.5B-Instruct", str(checkpoint)))
+    result = subprocess.run([str(Path(sys.executable).parent / "runner"), "compare", "--stacks", "trl,lightning-verl",
+                             "--plan", str(plan_file), "--executor", "slurm", "--engine", "apptainer",
+                             "--cluster", str(ROOT / "clusters" / "example-h100.toml"), "--dry-run",
+                             "--run-dir", str(tmp_path / "c"), "--json"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert [job["job_id"] for job in json.loads(result.stdout)["jobs"]] == [None, None, None]  # 2 arms + report
+    script = (tmp_path / "c" / "slurm" / "lightning-verl.sbatch").read_text()
+    assert "#SBATCH --gres=gpu:h100:1" in script and "#SBATCH --cpus-per-task=16" in script
+    assert "--engine apptainer" in script and "RUNNER_SIF_DIR=/shared/runner/sif" in script
+    frozen = json.loads((tmp_path / "c" / "plan.json").read_text())
+    assert frozen["budget"]["gpus"] == 1 and frozen["policy"]["path"] == str(checkpoint)
