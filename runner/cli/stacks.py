@@ -19,20 +19,22 @@ def list_stacks(json_output: bool = typer.Option(False, "--json", help="Print JS
     """List stacks with their kind, upstream pin, Python, lock hash and whether their environment is built.
 
     Trainer stacks (trl) train and host their environment in-process; environment stacks (nemo-gym,
-    openenv, verifiers) serve rollouts to the trainer stack named in their manifest."""
+    openenv, verifiers, lightning-verl) serve rollouts to the trainer stack named in their manifest. A stack
+    with a GPU environment (lightning-verl: verl) trains itself on GPU plans; its GPU lock is listed too."""
     with cli_errors():
         engine = LocalEngine()
         rows = []
         for manifest in all_stacks().values():
             try:
                 _, python_version = find_python(manifest.python)
-                env_path = engine.root / f"{manifest.name}-{engine.environment_key(manifest, python_version)}"
+                env_path = engine.root / f"{manifest.image_name}-{engine.environment_key(manifest, python_version)}"
                 built = (env_path / ENV_MARKER).is_file()
             except EngineError:
                 built = False
             rows.append({
                 "name": manifest.name, "upstream": f"{manifest.upstream.name}=={manifest.upstream.version}",
                 "python": manifest.python, "lock_sha256": manifest.lock_sha256, "environment_built": built,
+                "gpu_lock_sha256": manifest.for_gpu().lock_sha256 if manifest.gpu else None,
                 "kind": manifest.kind, "trainer": manifest.trainer,
                 "stages": list(manifest.stages), "capabilities": list(manifest.capabilities),
                 "description": manifest.description,
@@ -45,6 +47,9 @@ def list_stacks(json_output: bool = typer.Option(False, "--json", help="Print JS
         table.add_column(column)
     for row in rows:
         kind = f"environment (trainer: {row['trainer']})" if row["kind"] == "environment" else "trainer"
-        table.add_row(row["name"], kind, row["upstream"], row["python"], row["lock_sha256"][:12],
+        if row["gpu_lock_sha256"]:
+            kind += "; trains itself on GPU plans"
+        lock = row["lock_sha256"][:12] + (f"\ngpu: {row['gpu_lock_sha256'][:12]}" if row["gpu_lock_sha256"] else "")
+        table.add_row(row["name"], kind, row["upstream"], row["python"], lock,
                       "built" if row["environment_built"] else "-", row["description"])
     console.print(table)
