@@ -268,6 +268,15 @@ try:
             threading.Thread(target=kill_when_two_run, args=(backend,), daemon=True).start()
         completed = manager.enqueue_and_wait_until_completed(data, is_train=True)
         out[phase] = [c.model_dump(mode="json") for c in completed]
+    # A rollout whose input is not a task row: failed with the reason, the worker keeps going.
+    backend.gateway.api("POST", "/api/rollouts", [{"rollout_id": "not-a-task", "input": {"prompt": "hi"}}])
+    for _ in range(100):
+        state = backend.gateway.api("GET", "/api/rollouts/not-a-task")
+        state = state.get("rollout", state)["status"]
+        if state["state"] in ("succeeded", "failed"):
+            break
+        time.sleep(0.1)
+    out["not-a-task"] = state
 finally:
     worker.stop()
     backend.stop()
@@ -330,7 +339,8 @@ def test_store_worker_runs_the_rollouts_verls_manager_enqueues(env, tmp_path):
                                       revision="rev1")
     assert sum(t.outcome == "error" for t in marked) == len(failed)
     counts = out["counts"]
-    assert counts["claimed"] == 12 and counts["failed"] == len(failed) and counts["succeeded"] == 12 - len(failed)
+    assert out["not-a-task"]["state"] == "failed" and "lacks ['family', 'item']" in out["not-a-task"]["error_message"]
+    assert counts["claimed"] == 13 and counts["failed"] == len(failed) + 1 and counts["succeeded"] == 12 - len(failed)
 
 
 def test_gpu_plan_routes_training_jobs_to_the_stacks_gpu_environment(env, tmp_path):
