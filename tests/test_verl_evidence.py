@@ -159,3 +159,24 @@ def test_a_verl_save_without_hf_weights_is_refused_by_name(evidence, tmp_path):
     with pytest.raises(FileNotFoundError, match="save_contents must include hf_model"):
         evidence.publish_checkpoint(folder, tmp_path / "checkpoints", 1)
     assert not (tmp_path / "checkpoints" / "checkpoint-1" / "COMPLETE").exists()
+
+
+def test_the_host_accounts_every_rollout_the_store_worker_ran(evidence, tmp_path):
+    from runner._qualify import _gpu_training_audit
+    from runner_contracts import JsonlWriter, StageResult
+
+    rollouts = [fake_completed_rollout("r1", "d1", TWO_CALLS, 1.0), fake_completed_rollout("r2", "d1", [], 0.0, "failed")]
+    with JsonlWriter(tmp_path / "trajectories.jsonl") as writer:
+        for record in evidence.trajectories_of(rollouts, run_id="run", stack="lightning-verl", stage="train", step=1,
+                                               revision="rev0"):
+            writer.write(record)
+
+    def gate(**counts):
+        result = StageResult(stage="train", metrics={"rollouts": {"failures": [], **counts}})
+        return _gpu_training_audit(None, tmp_path, result)[0][0]
+
+    assert gate(claimed=2, succeeded=1, failed=1).passed
+    short = gate(claimed=3, succeeded=2, failed=1)  # a rollout the worker ran is missing from the evidence
+    assert not short.passed and (short.measured, short.threshold) == (2, 3)
+    assert not gate(claimed=2, succeeded=2, failed=0).passed  # a failure the worker did not report
+    assert not gate(claimed=2, succeeded=1, failed=1, worker_error="RuntimeError('store gone')").passed
