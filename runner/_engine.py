@@ -177,13 +177,16 @@ class LocalEngine:
         digest.update(f"\0{python_version}\0{platform.machine()}\0{sys.platform}".encode())
         return digest.hexdigest()[:16]
 
+    def env_path(self, manifest: StackManifest, python_version: str) -> Path:
+        """Where the stack's environment for this Python lives (built or not)."""
+        return self.root / f"{manifest.image_name}-{self.environment_key(manifest, python_version)}"
+
     def prepare(self, manifest: StackManifest) -> StackEnvironment:
         """Builds or reuses the stack's environment and brings our local packages up to date."""
         interpreter, python_version = find_python(manifest.python)
-        key = self.environment_key(manifest, python_version)
-        path = self.root / f"{manifest.image_name}-{key}"
-        log = self.root / f"{manifest.image_name}-{key}.build.log"
-        with _file_lock(self.root / f"{manifest.image_name}-{key}.lock"):
+        path = self.env_path(manifest, python_version)
+        log = path.with_name(path.name + ".build.log")
+        with _file_lock(path.with_name(path.name + ".lock")):
             if not (path / ENV_MARKER).is_file():
                 self.log(f"building {manifest.name} environment (Python {python_version}, lock "
                          f"{manifest.lock_sha256[:12]}) in {path}")

@@ -27,8 +27,7 @@ def list_stacks(json_output: bool = typer.Option(False, "--json", help="Print JS
         for manifest in all_stacks().values():
             try:
                 _, python_version = find_python(manifest.python)
-                env_path = engine.root / f"{manifest.image_name}-{engine.environment_key(manifest, python_version)}"
-                built = (env_path / ENV_MARKER).is_file()
+                built = (engine.env_path(manifest, python_version) / ENV_MARKER).is_file()
             except EngineError:
                 built = False
             rows.append({

@@ -8,6 +8,7 @@ that takes one sequence per sample cannot start a second row), and both counts a
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -49,3 +50,12 @@ def chain_calls(calls: list[CapturedCall]) -> ChainedRow | None:
         row.calls_used += 1
         sequence = row.prompt_ids + row.completion_ids
     return row
+
+
+def mask_runs(mask: list[int]) -> Iterator[tuple[int, int, bool]]:
+    """(start, end, value) for the maximal runs of equal values: policy (1) and non-policy (0) segments."""
+    start = 0
+    for index in range(1, len(mask) + 1):
+        if index == len(mask) or mask[index] != mask[start]:
+            yield start, index, bool(mask[start])
+            start = index

@@ -17,7 +17,6 @@ is run, scored and marked exactly like one on CPU:
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -90,33 +89,22 @@ class StoreWorker:
             self._pool.submit(self._run, gateway, rollout_id, rollout.get("input") or {})
 
     def _run(self, gateway: Gateway, rollout_id: str, task_input: dict[str, Any]) -> None:
-        try:
-            missing = [key for key in ("family", "item") if key not in task_input]
-            if missing:
-                reason = f"the rollout's input lacks {missing} (a task row of the plan's split was expected)"
-                self.backend.mark_failed(gateway, rollout_id, reason)
-                raise ValueError(reason)
-            task = {"family": task_input["family"], "item": task_input["item"], "max_turns": self.max_turns}
-            self.backend.run_rollout(gateway, rollout_id, task, self.model)  # marks it failed when it raises
-        except Exception as error:
-            reason = f"{type(error).__name__}: {error}"
-            with self._lock:
-                self.counts.failed += 1
-                if len(self.counts.failures) < 20:
-                    self.counts.failures.append(f"{rollout_id}: {reason[:300]}")
+        failure = None
+        missing = [key for key in ("family", "item") if key not in task_input]
+        if missing:
+            failure = f"ValueError: the rollout's input lacks {missing} (a task row of the plan's split was expected)"
+            self.backend.mark_failed(gateway, rollout_id, failure.removeprefix("ValueError: "))
         else:
-            with self._lock:
+            task = {"family": task_input["family"], "item": task_input["item"], "max_turns": self.max_turns}
+            try:
+                self.backend.run_rollout(gateway, rollout_id, task, self.model)  # marks it failed when it raises
+            except Exception as error:
+                failure = f"{type(error).__name__}: {error}"
+        with self._lock:
+            self._running.discard(rollout_id)
+            if failure is None:
                 self.counts.succeeded += 1
-        finally:
-            with self._lock:
-                self._running.discard(rollout_id)
-
-    def wait_idle(self, timeout_s: float = 60.0) -> bool:
-        """Whether every claimed rollout finished within the timeout."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._running:
-                    return True
-            time.sleep(0.05)
-        return False
+                return
+            self.counts.failed += 1
+            if len(self.counts.failures) < 20:
+                self.counts.failures.append(f"{rollout_id}: {failure[:300]}")

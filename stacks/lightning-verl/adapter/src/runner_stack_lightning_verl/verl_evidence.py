@@ -27,9 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qualification.continuity import chain_calls
+from qualification.continuity import chain_calls, mask_runs
 from runner_contracts import (
     COMPLETE_MARKER,
+    CapturedCall,
     ErrorInfo,
     JsonlWriter,
     Segment,
@@ -41,11 +42,6 @@ from runner_contracts import (
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
-
-
-class _Call:
-    def __init__(self, prompt_ids: list[int], completion_ids: list[int], logprobs: list[float]):
-        self.prompt_ids, self.completion_ids, self.logprobs = prompt_ids, completion_ids, logprobs
 
 
 def episode_id(stage: str, step: int, rollout_id: str) -> str:
@@ -68,8 +64,8 @@ def trajectories_of(rollouts: Sequence[dict[str, Any]], *, run_id: str, stack: s
         group = f"{stage}/s{step}/{rollout['data_id']}"
         sample = index_in_group[group]
         index_in_group[group] += 1
-        calls = [_Call(list(t["prompt"]["token_ids"]), list(t["response"]["token_ids"]),
-                       list(t["response"].get("log_probs") or []))
+        calls = [CapturedCall(prompt_ids=t["prompt"]["token_ids"], completion_ids=t["response"]["token_ids"],
+                              logprobs=t["response"].get("log_probs") or [])
                  for t in rollout.get("triplets") or []]
         reward = _reward_event(rollout)
         task = rollout.get("input") or {}
@@ -78,14 +74,9 @@ def trajectories_of(rollouts: Sequence[dict[str, Any]], *, run_id: str, stack: s
         row = None if failed else chain_calls(calls)
         if row is not None:
             segments.append(Segment(source="prompt", token_ids=row.prompt_ids))
-            start = 0
-            for end in range(1, len(row.mask) + 1):  # runs of equal mask: policy (1) or env (0) segments
-                if end == len(row.mask) or row.mask[end] != row.mask[start]:
-                    ids = row.completion_ids[start:end]
-                    policy = row.mask[start] == 1
-                    segments.append(Segment(source="policy" if policy else "env", token_ids=ids,
-                                            logprobs=row.logprobs[start:end] if policy else None))
-                    start = end
+            segments += [Segment(source="policy" if policy else "env", token_ids=row.completion_ids[start:end],
+                                 logprobs=row.logprobs[start:end] if policy else None)
+                         for start, end, policy in mask_runs(row.mask)]
         error = None
         if failed:
             error = ErrorInfo(kind="rollout-failed", message=rollout.get("error_message") or

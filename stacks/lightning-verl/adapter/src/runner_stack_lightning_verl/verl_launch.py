@@ -12,6 +12,7 @@ anywhere; running it needs GPUs and the stack's GPU lock (torch, vLLM).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,8 +154,6 @@ def compose(overrides: list[str]):
 def _ray_temp_dir() -> str:
     """Ray's session folder: RAY_TMPDIR, else the job's TMPDIR (the only writable place in a container) when
     short enough for the AF_UNIX sockets Ray makes under it (107 bytes with ~60 of Ray's own), else /tmp/ray."""
-    import os
-
     if os.environ.get("RAY_TMPDIR"):
         return os.environ["RAY_TMPDIR"]
     scratch = os.path.join(os.environ.get("TMPDIR", "/tmp"), "ray")

@@ -17,6 +17,7 @@ own global_step folder inside that checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -84,11 +85,9 @@ def run_verl_stage(request: StageRequest) -> StageResult:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
         raise RuntimeError(f"verl's trainer exited with {process.returncode} after {len(steps)} step(s) "
                            f"(log: {log}):\n{tail}")
-    counts = worker.counts
     return StageResult(stage=request.stage, metrics={
         "trainer": "verl", "gpus": gpus, "loss": [step["loss"] for step in steps], "steps": steps,
-        "rollouts": {"claimed": counts.claimed, "succeeded": counts.succeeded, "failed": counts.failed,
-                     "failures": counts.failures,
+        "rollouts": {**dataclasses.asdict(worker.counts),
                      "worker_error": None if worker.error is None else repr(worker.error)},
         "launch": launch.command("python", "plan.json"),
     }, files={"trajectories": "trajectories.jsonl", "training": "training.jsonl", "log": "verl.log",

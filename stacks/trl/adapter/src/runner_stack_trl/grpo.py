@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from qualification.continuity import mask_runs
 from qualification.tasks import get_family
 from runner_contracts import (
     JsonlWriter,
@@ -114,7 +115,7 @@ class Recorder:
             logps = sampling[row][valid].tolist()
             old = recomputed[row][valid].tolist()
             segments = [Segment(source="prompt", token_ids=prompt, text=tokenizer.decode(prompt))]
-            for start, end, is_policy in _runs(provenance):
+            for start, end, is_policy in mask_runs(provenance):
                 ids = completion[start:end]
                 segments.append(Segment(
                     source="policy" if is_policy else self.non_policy_source,
@@ -162,15 +163,6 @@ class Recorder:
 
 def get_item_id(example: dict[str, Any]) -> str:
     return json.loads(example["item"])["task_id"]
-
-
-def _runs(mask: list[int]):
-    """(start, end, value) for maximal runs of equal values."""
-    start = 0
-    for index in range(1, len(mask) + 1):
-        if index == len(mask) or mask[index] != mask[start]:
-            yield start, index, bool(mask[start])
-            start = index
 
 
 def _make_trainer_class():
