@@ -464,7 +464,7 @@ def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageO
     checkpoints = [Checkpoint(step=step, path=str((out / "checkpoints" / f"checkpoint-{step}").relative_to(arm.run_dir)),
                               sha256=digest) for step, digest in sorted(revisions.items())]
     if stage in arm.interrupted:
-        requeue_gates, metrics["requeue"] = _resumed_after_interruption(arm, stage, out, steps)
+        requeue_gates, metrics["requeue"] = _resumed_after_interruption(arm, stage, out, steps, revisions)
         gates += requeue_gates
     if stage == "update" and all(g.passed for g in gates):
         arm.first_update_s = time.monotonic() - arm.started
@@ -472,28 +472,44 @@ def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageO
     return StageOutput(metrics=metrics, gates=gates, checkpoints=checkpoints)
 
 
-def _resumed_after_interruption(arm: Arm, stage: str, out: Path, steps: int) -> tuple[list[GateResult], dict]:
+def _resumed_after_interruption(arm: Arm, stage: str, out: Path, steps: int,
+                                revisions: dict[int, str]) -> tuple[list[GateResult], dict]:
     """A training stage that was interrupted (a requeued job, a killed runner) and ran again: its last
     complete checkpoint is resumed to the end, and the boundary is audited exactly like the resume stage's
-    SIGKILL: interrupted + resumed must replay this uninterrupted run (episodes, rows, final weights)."""
+    SIGKILL: interrupted + resumed must replay this uninterrupted run (episodes, rows, final weights).
+    `revisions` are this run's complete checkpoints."""
     attempt = arm.interrupted[stage]
-    checkpoint = latest_complete_checkpoint(attempt / "checkpoints")
+    checkpoint, incomplete = _last_complete_checkpoint(attempt)
     if checkpoint is None:
         return [], {"attempt": attempt.name, "resumed_from": None,
                     "detail": "the interrupted attempt left no complete checkpoint; the stage ran from the start"}
-    resumed_from = int(checkpoint.name.split("-")[1])
     resumed = out / "requeue-resumed"
     arm.on_event(stage, f"resuming the interrupted attempt from {checkpoint.name}")
     run_adapter(arm, stage, resumed, steps=steps, resume_from=checkpoint)
-    _, incomplete = checkpoint_revisions(attempt / "checkpoints")
-    read = {name: (_read_any(folder, "trajectories.jsonl", Trajectory), _read_any(folder, "training.jsonl", TrainingRow))
-            for name, folder in (("plain", out), ("interrupted", attempt), ("resumed", resumed))}
-    gates = resume_gates(read["plain"][0], read["interrupted"][0], read["resumed"][0], read["plain"][1],
-                         read["interrupted"][1], read["resumed"][1], resumed_from,
-                         checkpoint_revisions(out / "checkpoints")[0].get(steps),
-                         checkpoint_revisions(resumed / "checkpoints")[0].get(steps), incomplete)
+    gates, _ = _replay_gates(out, attempt, resumed, checkpoint, steps, revisions.get(steps), incomplete,
+                             sft=arm.plan.recipe == "sft")
     gates = [msgspec.structs.replace(g, name=g.name.replace("resume:", "requeue:", 1)) for g in gates]
     return gates, {"attempt": attempt.name, "resumed_from": checkpoint.name}
+
+
+def _last_complete_checkpoint(run: Path) -> tuple[Path | None, list[str]]:
+    """A training run's last complete checkpoint (None if none) and its incomplete ones."""
+    complete, incomplete = checkpoint_revisions(run / "checkpoints")
+    return (run / "checkpoints" / f"checkpoint-{max(complete)}" if complete else None), incomplete
+
+
+def _replay_gates(plain: Path, interrupted: Path, resumed: Path, checkpoint: Path, steps: int,
+                  final_plain: str | None, incomplete: list[str], *, sft: bool) -> tuple[list[GateResult], int]:
+    """Resume gates of interrupted (up to `checkpoint`) + resumed against the uninterrupted run, and how many
+    records the interrupted run left."""
+    runs = (("plain", plain), ("interrupted", interrupted), ("resumed", resumed))
+    trajectories = {name: [] if sft else _read_any(folder, "trajectories.jsonl", Trajectory) for name, folder in runs}
+    rows = {name: _read_any(folder, "training.jsonl", TrainingRow) for name, folder in runs}
+    final_resumed = checkpoint_revisions(resumed / "checkpoints")[0].get(steps)
+    gates = resume_gates(trajectories["plain"], trajectories["interrupted"], trajectories["resumed"],
+                         rows["plain"], rows["interrupted"], rows["resumed"],
+                         int(checkpoint.name.split("-")[1]), final_plain, final_resumed, incomplete)
+    return gates, len(trajectories["interrupted"]) + len(rows["interrupted"])
 
 
 def stage_update(arm: Arm) -> StageOutput:
@@ -518,29 +534,20 @@ def stage_resume(arm: Arm) -> StageOutput:
     if not outcome.killed:
         return StageOutput(error=ErrorInfo(kind="not-killed", message=f"the run finished before checkpoint "
                                            f"{kill_step} was complete; nothing was interrupted"))
-    checkpoint = latest_complete_checkpoint(interrupted / "checkpoints")
-    _, incomplete = checkpoint_revisions(interrupted / "checkpoints")
+    checkpoint, incomplete = _last_complete_checkpoint(interrupted)
     if checkpoint is None:
         return StageOutput(error=ErrorInfo(kind="no-checkpoint", message="no complete checkpoint after the kill"))
-    resumed_from = int(checkpoint.name.split("-")[1])
     arm.on_event("resume", f"resuming from {checkpoint.name}")
     run_adapter(arm, "train", resumed, steps=steps, resume_from=checkpoint)
     sft = arm.plan.recipe == "sft"
-    trajectories = {name: [] if sft else _read_any(folder, "trajectories.jsonl", Trajectory)
-                    for name, folder in (("plain", plain), ("interrupted", interrupted), ("resumed", resumed))}
-    rows = {name: _read_any(folder, "training.jsonl", TrainingRow)
-            for name, folder in (("plain", plain), ("interrupted", interrupted), ("resumed", resumed))}
     plain_revisions = checkpoint_revisions(plain / "checkpoints")[0]
-    final_plain = plain_revisions.get(steps)
-    final_resumed = checkpoint_revisions(resumed / "checkpoints")[0].get(steps)
-    gates = resume_gates(trajectories["plain"], trajectories["interrupted"], trajectories["resumed"],
-                         rows["plain"], rows["interrupted"], rows["resumed"],
-                         resumed_from, final_plain, final_resumed, incomplete)
+    gates, interrupted_records = _replay_gates(plain, interrupted, resumed, checkpoint, steps,
+                                               plain_revisions.get(steps), incomplete, sft=sft)
     if not sft:
         trace_gates, _ = audit_trace(arm, plain, signal=False, revisions=plain_revisions)
         gates += [g for g in trace_gates if g.name == "trace:trained-equals-sampled"]
     return StageOutput(metrics={"steps": steps, "killed_after_step": kill_step, "resumed_from": checkpoint.name,
-                                "interrupted_records": len(trajectories["interrupted"]) + len(rows["interrupted"]),
+                                "interrupted_records": interrupted_records,
                                 "ignored_incomplete_checkpoints": incomplete,
                                 "kill_to_exit_s": round(outcome.seconds, 3)}, gates=gates)
 
@@ -606,10 +613,8 @@ def run_stage(arm: Arm, stage: str) -> Evidence:
     except BaseException:
         # SIGTERM (a Slurm signal before the time limit, a preemption), Ctrl-C: the stage's files stay,
         # marked as interrupted; `runner qualify --resume` sets them aside and runs the stage again.
-        write_record(folder / "evidence.json", Evidence(
-            run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status="error",
-            started_at=started, finished_at=now(), environment=arm.environment, artifacts=artifacts(arm, folder),
-            error=ErrorInfo(kind="interrupted", message="the runner was stopped during this stage")))
+        _mark_interrupted(arm, stage, folder, "the runner was stopped during this stage", started=started,
+                          environment=arm.environment)
         raise
     if output.error is not None:
         status = "error"
@@ -649,12 +654,18 @@ def _set_aside(arm: Arm, stage: str) -> Path:
     target = folder.with_name(f"{stage}.attempt-{number}")
     folder.rename(target)
     if not (target / "evidence.json").is_file():
-        write_record(target / "evidence.json", Evidence(
-            run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status="error",
-            started_at=now(), finished_at=now(), artifacts=artifacts(arm, target),
-            error=ErrorInfo(kind="interrupted", message=f"the run stopped during this stage; set aside by a resumed "
-                                                        f"run as {target.name}")))
+        _mark_interrupted(arm, stage, target, f"the run stopped during this stage; set aside by a resumed run as "
+                                              f"{target.name}")
     return target
+
+
+def _mark_interrupted(arm: Arm, stage: str, folder: Path, message: str, *, started: str | None = None,
+                      environment: EnvironmentInfo | None = None) -> None:
+    """Evidence for a stage the run stopped in: status error, kind interrupted, the files it left."""
+    write_record(folder / "evidence.json", Evidence(
+        run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status="error",
+        started_at=started or now(), finished_at=now(), environment=environment, artifacts=artifacts(arm, folder),
+        error=ErrorInfo(kind="interrupted", message=message)))
 
 
 def _run_stages(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | None,
@@ -665,6 +676,8 @@ def _run_stages(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None
         if resume and not stopped:
             earlier = _earlier_evidence(arm, stage)
             if earlier is not None and earlier.status == "passed" and earlier.plan_id == arm.plan.plan_id:
+                if stage == "probe":
+                    arm.environment = earlier.environment  # later stages record it; no second read
                 results.append(earlier)
                 if on_stage:
                     on_stage(stage, "passed")
