@@ -14,11 +14,15 @@ ENGINES = ("local", "docker", "podman", "apptainer")
 Engine = LocalEngine | ContainerEngine | ApptainerEngine
 
 
+def check_engine(name: str) -> None:
+    if name not in ENGINES:
+        raise UserError(f"--engine {name!r}: available engines are {', '.join(ENGINES)}")
+
+
 def make_engine(name: str, *, log: Callable[[str], None] = lambda message: None,
                 images: dict[str, str] | None = None) -> Engine:
     """The engine called `name`; `images` maps a stack to an existing image to run as is (container engines)."""
-    if name not in ENGINES:
-        raise UserError(f"--engine {name!r}: available engines are {', '.join(ENGINES)}")
+    check_engine(name)
     if name in ("local", "apptainer") and images:
         raise UserError("--image needs --engine docker or podman (apptainer takes <RUNNER_SIF_DIR>/<stack>.sif)")
     if name == "local":

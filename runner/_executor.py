@@ -3,7 +3,6 @@ read the run directory's slurm/jobs.json."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from ._errors import UserError
 from ._qualify import STAGES
 from ._slurm import (
     FINISHED,
+    JOBS_FILE,
     ArmJob,
     ClusterProfile,
     JobState,
@@ -92,15 +92,13 @@ def _arm_evidence(arm_dir: Path) -> dict[str, Evidence | None]:
 def status(run_dir: Path) -> dict[str, Any]:
     """Job states and stage evidence of a run submitted with --executor slurm."""
     record = read_jobs(run_dir)
-    ids = [job["job_id"] for job in record["jobs"] if job["job_id"]]
-    states = job_states(ids) if ids else {}
+    states = job_states([job["job_id"] for job in record["jobs"] if job["job_id"]])  # one state per id
     rows = []
     for job in record["jobs"]:
-        state = states.get(job["job_id"]) if job["job_id"] else JobState("-", "NOT SUBMITTED (dry run)")
+        state = states[job["job_id"]] if job["job_id"] else JobState("-", "NOT SUBMITTED (dry run)")
         arm_dir = Path(job["run_dir"])
-        row = {"name": job["name"], "job_id": job["job_id"], "state": state.state if state else "UNKNOWN",
-               "reason": state.reason if state else "", "exit_code": state.exit_code if state else "",
-               "restarts": state.restarts if state else 0, "script": job["script"]}
+        row = {"name": job["name"], "job_id": job["job_id"], "state": state.state, "reason": state.reason,
+               "exit_code": state.exit_code, "restarts": state.restarts, "script": job["script"]}
         if job["name"] != "report":
             evidence = _arm_evidence(arm_dir)
             row["stages"] = {stage: e.status if e else "unreadable" for stage, e in evidence.items()}
@@ -146,15 +144,14 @@ def follow(run_dir: Path, on_update: Callable[[dict[str, Any]], None], *, poll_s
 
 def cancel_run(run_dir: Path) -> list[str]:
     """scancel the run's jobs that have not ended; returns their ids."""
-    current = status(run_dir)
-    live = [row["job_id"] for row in current["jobs"] if row["job_id"] and row["state"] not in ENDED]
+    states = job_states([job["job_id"] for job in read_jobs(run_dir)["jobs"] if job["job_id"]])
+    live = [job_id for job_id, state in states.items() if state.state not in ENDED]
     cancel(live)
     return live
 
 
 def arm_order(compare_dir: Path) -> list[str] | None:
     """The arms of a comparison in the order they were submitted (None if not a Slurm comparison)."""
-    path = compare_dir / "slurm" / "jobs.json"
-    if not path.is_file():
+    if not (compare_dir / "slurm" / JOBS_FILE).is_file():
         return None
-    return [job["name"] for job in json.loads(path.read_text())["jobs"] if job["name"] != "report"]
+    return [job["name"] for job in read_jobs(compare_dir)["jobs"] if job["name"] != "report"]

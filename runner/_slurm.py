@@ -100,20 +100,23 @@ def _format_time(seconds: float) -> str:
     return f"{minutes // 60:02d}:{minutes % 60:02d}:00"
 
 
-def _resource_lines(profile: ClusterProfile, plan: Plan, *, gpus: bool) -> list[str]:
-    budget = plan.budget
-    lines = [f"#SBATCH --{key}={value}" for key, value in (
+def _placement_lines(profile: ClusterProfile) -> list[str]:
+    return [f"#SBATCH --{key}={value}" for key, value in (
         ("partition", profile.partition), ("account", profile.account), ("qos", profile.qos),
         ("constraint", profile.constraint)) if value]
+
+
+def _resource_lines(profile: ClusterProfile, plan: Plan) -> list[str]:
+    budget = plan.budget
+    lines = _placement_lines(profile)
     # Each stage runs up to wall_clock_s; resume runs three trainings and rollout an extra batch.
     lines.append(f"#SBATCH --time={profile.time_limit or _format_time(budget.wall_clock_s * 10)}")
     lines += ["#SBATCH --nodes=1", "#SBATCH --ntasks=1"]
-    cpus = max(math.ceil(budget.cpus or profile.cpus), budget.gpus * profile.cpus_per_gpu if gpus else 1)
-    lines.append(f"#SBATCH --cpus-per-task={cpus}")
-    memory = budget.memory_gb or (budget.gpus * profile.mem_per_gpu_gb if gpus and profile.mem_per_gpu_gb else None)
+    lines.append(f"#SBATCH --cpus-per-task={max(math.ceil(budget.cpus or profile.cpus), budget.gpus * profile.cpus_per_gpu)}")
+    memory = budget.memory_gb or (budget.gpus * profile.mem_per_gpu_gb if profile.mem_per_gpu_gb else None)
     if memory:
         lines.append(f"#SBATCH --mem={math.ceil(memory)}G")
-    if gpus and budget.gpus:
+    if budget.gpus:
         lines.append(f"#SBATCH --gres={profile.gres.format(gpus=budget.gpus)}")
     return lines
 
@@ -153,7 +156,7 @@ def render_arm(job: ArmJob, plan: Plan, profile: ClusterProfile, *, command: str
     values = {
         **_common(profile, plan, job.engine, environ), "stack": job.stack, "command": command,
         "job_name": f"runner-{job.stack}-{(plan.plan_id or '')[:8]}",
-        "resource_lines": "\n".join(_resource_lines(profile, plan, gpus=True)),
+        "resource_lines": "\n".join(_resource_lines(profile, plan)),
         "signal_before_s": str(profile.signal_before_s), "log": str(job.arm_dir / "slurm" / "job-%j.out"),
         "runner_command": shlex.join(args),
     }
@@ -166,9 +169,10 @@ def render_report(compare_dir: Path, arms: list[str], plan: Plan, profile: Clust
     values = {
         **_common(profile, plan, "local", environ), "arms": ", ".join(arms),
         "job_name": f"runner-report-{(plan.plan_id or '')[:8]}",
-        "resource_lines": "\n".join(line for line in _resource_lines(profile, plan, gpus=False)
-                                    if "--time" not in line and "--cpus" not in line)
-                          + "\n#SBATCH --time=00:15:00\n#SBATCH --cpus-per-task=1",
+        "resource_lines": "\n".join([  # a short CPU job on the arms' partition
+            *_placement_lines(profile), "#SBATCH --nodes=1", "#SBATCH --ntasks=1",
+            *([f"#SBATCH --mem={math.ceil(plan.budget.memory_gb)}G"] if plan.budget.memory_gb else []),
+            "#SBATCH --time=00:15:00", "#SBATCH --cpus-per-task=1"]),
         "log": str(compare_dir / "slurm" / "report-%j.out"),
         "runner_command": shlex.join([*runner_command(profile), "report", str(compare_dir)]),
     }
@@ -208,10 +212,6 @@ class JobState:
     reason: str = ""
     exit_code: str = ""
     restarts: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.state in FINISHED
 
 
 def job_states(job_ids: list[str]) -> dict[str, JobState]:
@@ -259,7 +259,7 @@ class SubmittedJob:
 
 def write_jobs(run_dir: Path, jobs: list[SubmittedJob], *, profile: ClusterProfile, kind: str) -> Path:
     data = {"executor": "slurm", "kind": kind, "profile": asdict(profile), "jobs": [asdict(job) for job in jobs]}
-    return write_atomic(run_dir / "slurm" / JOBS_FILE, (json.dumps(data, indent=2, default=list) + "\n").encode())
+    return write_atomic(run_dir / "slurm" / JOBS_FILE, (json.dumps(data, indent=2) + "\n").encode())
 
 
 def read_jobs(run_dir: Path) -> dict[str, Any]:

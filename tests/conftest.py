@@ -4,6 +4,7 @@ five-arm local comparison that the compare and Slurm tests both read (run once p
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,17 @@ def episodes():
     """Two groups of two episodes with reward variance in each group."""
     pairs = [make_episode(group=g, sample=s, reward=float(s)) for g in range(2) for s in range(2)]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+def matches_golden(name: str, text: str) -> None:
+    """`text` equals the reviewed tests/golden/<name>; UPDATE_GOLDEN=1 rewrites the file instead."""
+    path = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(text)
+    assert path.read_text() == text, f"{name} differs from the reviewed golden file (UPDATE_GOLDEN=1 to accept)"
 
 
 COMPARED_ARMS = ["trl", "nemo-gym", "openenv", "verifiers", "lightning-verl"]

@@ -4,12 +4,12 @@ reviewed expected files under tests/golden/. Regenerate after a reviewed change 
 
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import matches_golden
 
 from runner._apptainer import (
     build_from_archive_command,
@@ -26,14 +26,6 @@ from runner._stacks import get_stack
 from runner_contracts import StageRequest, freeze_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "tests" / "golden"
-
-
-def matches_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert path.read_text() == text, f"{name} differs from the reviewed golden file (UPDATE_GOLDEN=1 to accept)"
 
 
 def request(stage: str, gpus: int, **fields) -> StageRequest:

@@ -7,15 +7,11 @@ Slow: builds the environments on first use (cached by lock hash)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from conftest import COMPARED_ARMS as ARMS
 
 from runner_contracts import Evidence, read_record
-
-ROOT = Path(__file__).resolve().parents[1]
-PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
-from conftest import COMPARED_ARMS as ARMS
 
 GATEWAY_CAPTURE = "stack capture (gateway), audited against the policy server"
 

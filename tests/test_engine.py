@@ -174,7 +174,7 @@ def test_adapter_dies_with_the_runner(stack, engine, tmp_path):
     import sys
     import time
 
-    env = engine.prepare(stack)
+    engine.prepare(stack)  # built here, so the killed runner below only starts the adapter
     out = tmp_path / "orphan"
     script = (f"from runner._engine import LocalEngine; from runner._stacks import load_manifest; "
               f"from test_engine import request; from pathlib import Path; "

@@ -74,6 +74,7 @@ def test_dry_run_writes_scripts_and_submits_nothing(cluster, tmp_path):
     assert [job["name"] for job in jobs] == ["trl", "openenv", "report"] and all(job["job_id"] is None for job in jobs)
     assert json.loads((tmp_path / "c" / "plan.json").read_text())["plan_id"]
     queue = subprocess.run(["squeue", "-h"], capture_output=True, text=True, env={**os.environ, **cluster.env})
+    assert queue.returncode == 0, queue.stderr  # an unanswered squeue must not pass as an empty queue
     assert queue.stdout.strip() == ""
 
 

@@ -5,11 +5,11 @@ UPDATE_GOLDEN=1."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import matches_golden
 
 from runner._errors import UserError
 from runner._plan import load_plan
@@ -17,16 +17,8 @@ from runner._slurm import ArmJob, ClusterProfile, load_profile, render_arm, rend
 from runner_contracts import freeze_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "tests" / "golden"
 ENVIRON = {"HOME": "/home/ada", "LANG": "C.UTF-8", "PATH": "/usr/bin:/bin", "RUNNER_CACHE_DIR": "/shared/cache",
            "SECRET_TOKEN": "never-exported"}
-
-
-def matches_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.write_text(text)
-    assert path.read_text() == text, f"{name} differs from the reviewed golden file (UPDATE_GOLDEN=1 to accept)"
 
 
 def plan(gpus: int):

@@ -7,20 +7,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import matches_golden
 
 from runner._plan import load_plan
 from runner_contracts import freeze_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE_PATH = ROOT / "stacks/lightning-verl/adapter/src/runner_stack_lightning_verl/verl_launch.py"
-GOLDEN = ROOT / "tests/golden/verl_launch_calc_tool_gpu.txt"
 
 
 def _module():
@@ -46,9 +45,7 @@ def test_golden_verl_launch_command_for_one_gpu():
     module = _module()
     command = _launch(module).command(python="python3", plan_path="/run/plan.json")
     rendered = " \\\n  ".join([" ".join(command[:5]), *command[5:]]) + "\n"  # the program, then one override a line
-    if os.environ.get("UPDATE_GOLDEN"):
-        GOLDEN.write_text(rendered)
-    assert rendered == GOLDEN.read_text()
+    matches_golden("verl_launch_calc_tool_gpu.txt", rendered)
 
 
 @pytest.mark.slow

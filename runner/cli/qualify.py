@@ -11,7 +11,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from runner_contracts import Evidence, Plan, read_record
 
 from .._engine import LocalEngine
-from .._engines import ENGINES, Engine, make_engine
+from .._engines import Engine, check_engine, make_engine
 from .._executor import ENDED, EXECUTORS, follow, submit_qualification
 from .._slurm import SubmittedJob, load_profile
 from .._errors import UserError
@@ -39,8 +39,7 @@ def _parse_stages(text: str | None, available: tuple[str, ...]) -> list[str]:
 def check_executor(executor: str, engine: str, cluster: Path | None, dry_run: bool) -> None:
     if executor not in EXECUTORS:
         raise UserError(f"--executor {executor!r}: executors are {', '.join(EXECUTORS)}")
-    if engine not in ENGINES:
-        raise UserError(f"--engine {engine!r}: available engines are {', '.join(ENGINES)}")
+    check_engine(engine)
     if executor == "local" and (cluster or dry_run):
         raise UserError("--cluster and --dry-run belong to --executor slurm")
 
