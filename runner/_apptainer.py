@@ -1,4 +1,4 @@
-"""Apptainer (Singularity) command lines and definition files, rendered with spython.
+"""Apptainer (Singularity) command lines, and definition files converted from the Containerfiles by spython.
 
 Clusters run Apptainer, not Docker. A stack's SIF is built from its docker-archive (the same bytes
 the docker engine ran) or from the .def generated here; a job runs with --containall --cleanenv, the
@@ -14,30 +14,29 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass, field
-from pathlib import Path
-
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from runner_contracts import StageRequest, sha256_file, write_record
+from runner_contracts import StageRequest
 
 from ._engine import (
-    FIXED_ENV,
+    STACK_PREFIX,
     RunOutcome,
     ServiceHandle,
     StackEnvironment,
+    job_env,
     read_only_inputs,
     run_dir_of,
     run_process,
     start_process_service,
+    write_request,
 )
-from ._paths import cache_dir
 from ._errors import EngineError
+from ._images import cached_sha256
+from ._paths import cache_dir
 from ._stacks import StackManifest
-
-STACK_PYTHON = "/opt/stack/bin/python"
 
 
 @dataclass(frozen=True)
@@ -60,13 +59,10 @@ def job_for_request(manifest: StackManifest, request: StageRequest, sif: Path, r
     """The Apptainer job for one stage request: the same policy as the container engine (run directory
     writable, inputs read-only at their host paths, the allow-listed environment, GPUs from the plan)."""
     out_dir = Path(request.out_dir)
-    home = out_dir / ".home"
-    environment = {**FIXED_ENV, "LANG": "C.UTF-8", "HOME": str(home), "HF_HOME": str(home / "hf"),
-                   "XDG_CACHE_HOME": str(home / "cache"), "TMPDIR": str(home / "tmp"),
-                   "PATH": f"{Path(STACK_PYTHON).parent}:/usr/local/bin:/usr/bin:/bin"}
-    inputs = tuple(p for p in read_only_inputs(request) if not str(p).startswith(str(run_dir) + os.sep))
+    environment = job_env(STACK_PREFIX / "bin", out_dir / ".home")
     return ApptainerJob(sif=sif, adapter=manifest.adapter, request=out_dir / "request.json", workdir=out_dir,
-                        writable=(run_dir,), read_only=inputs, environment=environment,
+                        writable=(run_dir,), read_only=tuple(read_only_inputs(request, outside=run_dir)),
+                        environment=environment,
                         gpus=request.plan.budget.gpus, binary=binary)
 
 
@@ -95,13 +91,11 @@ class ApptainerEngine:
             raise EngineError(f"no SIF for {manifest.image_name} at {sif}; make it with `runner images export --stack "
                               f"{manifest.name} --to {'def' if manifest.variant == 'gpu' else 'sif'} --out "
                               f"{self.sif_dir}` (a .def is built into the SIF on the cluster)")
-        return StackEnvironment(manifest=manifest, path=Path(STACK_PYTHON).parents[1], python_version=manifest.python,
-                                lock_sha256=manifest.lock_sha256, image=str(sif), image_digest="sha256:" + sha256_file(sif))
+        return StackEnvironment(manifest=manifest, path=STACK_PREFIX, python_version=manifest.python,
+                                lock_sha256=manifest.lock_sha256, image=str(sif), image_digest="sha256:" + cached_sha256(sif))
 
     def _command(self, env: StackEnvironment, request: StageRequest) -> tuple[list[str], Path]:
-        out_dir = Path(request.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_record(out_dir / "request.json", request)
+        out_dir, _ = write_request(request)
         job = job_for_request(env.manifest, request, Path(env.image or ""), run_dir_of(out_dir), binary=self.binary)
         job = replace(job, read_only=job.read_only + self.binds)
         return exec_command(job), out_dir
@@ -119,15 +113,6 @@ class ApptainerEngine:
                                      what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s)
 
 
-def _client():
-    from spython.main import Client
-
-    client = Client
-    client.quiet = False
-    client.debug = False
-    return client
-
-
 def exec_command(job: ApptainerJob) -> list[str]:
     """`apptainer exec --containall --cleanenv [--nv] --bind ... --env ... SIF python -m runner_contracts.launch`."""
     options = ["--containall", "--cleanenv", "--no-home", "--pwd", str(job.workdir)]
@@ -139,22 +124,17 @@ def exec_command(job: ApptainerJob) -> list[str]:
         options += ["--bind", f"{path}:{path}:ro"]
     for key, value in sorted(job.environment.items()):
         options += ["--env", f"{key}={value}"]
-    command = _client()._init_command("exec")
-    command[0] = job.binary  # spython always says `singularity`; clusters name either
-    return [*command, *options, str(job.sif), STACK_PYTHON, "-m", "runner_contracts.launch", job.adapter, str(job.request)]
+    return [job.binary, "exec", *options, str(job.sif), str(STACK_PREFIX / "bin" / "python"), "-m",
+            "runner_contracts.launch", job.adapter, str(job.request)]
 
 
 def build_from_archive_command(sif: Path, archive: Path, binary: str = "apptainer") -> list[str]:
     """SIF from a `docker save` archive: the image the docker engine qualified, byte for byte."""
-    command = _client()._init_command("build")
-    command[0] = binary
-    return [*command, "--force", str(sif), f"docker-archive://{archive}"]
+    return [binary, "build", "--force", str(sif), f"docker-archive://{archive}"]
 
 
 def build_from_definition_command(sif: Path, definition: Path, binary: str = "apptainer") -> list[str]:
-    command = _client()._init_command("build")
-    command[0] = binary
-    return [*command, "--force", "--fakeroot", str(sif), str(definition)]
+    return [binary, "build", "--force", "--fakeroot", str(sif), str(definition)]
 
 
 def definition(manifest: StackManifest, containerfile: Path, buildargs: dict[str, str], *,

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner_contracts import StageRequest, write_record
+from runner_contracts import StageRequest
 
 from ._engine import (
+    STACK_PREFIX,
     RunOutcome,
     StackEnvironment,
     read_only_inputs,
@@ -29,13 +30,13 @@ from ._engine import (
     scrubbed_env,
     wait_for_service,
     watch,
+    write_request,
 )
 from ._errors import EngineError
 from ._images import StackImage, build_stack_image, connect, stack_image
 from ._stacks import StackManifest
 
 CONTAINER_USER = (1000, 1000)  # the images' non-root user, used when the runner itself runs as root
-STACK_PREFIX = Path("/opt/stack")
 LABEL_OWNER = "runner.owner-pid"
 
 
@@ -43,13 +44,12 @@ class ContainerEngine:
     """Stack images run by Docker Engine or Podman through the docker SDK."""
 
     def __init__(self, kind: str, *, log: Callable[[str], None] = lambda message: None,
-                 images: dict[str, str] | None = None, flavour: str = "cpu"):
+                 images: dict[str, str] | None = None):
         self.name = kind
         self.log = log
         self.client = connect(kind)
         self.is_podman = kind == "podman"
         self.images = dict(images or {})  # stack -> image reference to use as is (no build)
-        self.flavour = flavour
         self._remove_orphans()
 
     def prepare(self, manifest: StackManifest) -> StackEnvironment:
@@ -60,8 +60,7 @@ class ContainerEngine:
                 raise EngineError(f"image {image.tag} is the {image.stack} stack's image, not {manifest.name}'s")
             self.log(f"using {image.tag} ({image.digest[:19]}) as given, without rebuilding")
         else:
-            flavour = "gpu" if manifest.variant == "gpu" else self.flavour
-            image = build_stack_image(self.client, manifest, flavour=flavour, log=self.log)
+            image = build_stack_image(self.client, manifest, flavour=manifest.variant, log=self.log)
             self.log(f"{manifest.name} image {image.tag} ({image.digest[:19]})")
         return environment_of(manifest, image)
 
@@ -101,9 +100,7 @@ class ContainerEngine:
     # --- container policy ---------------------------------------------------------------------------
 
     def _create(self, env: StackEnvironment, request: StageRequest, *, peer: Any) -> Any:
-        out_dir = Path(request.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        request_path = write_record(out_dir / "request.json", request)
+        out_dir, request_path = write_request(request)
         run_dir = run_dir_of(out_dir)
         environment = scrubbed_env(STACK_PREFIX / "bin", out_dir / ".home")
         environment = {key: value for key, value in environment.items() if not key.startswith("PIP_")}
@@ -112,10 +109,9 @@ class ContainerEngine:
             _chown_tree(out_dir, *CONTAINER_USER)
         _check_readable(run_dir, user)
         volumes = {str(run_dir): {"bind": str(run_dir), "mode": "rw"}}
-        for path in read_only_inputs(request):
-            if not str(path).startswith(str(run_dir) + os.sep):
-                _check_readable(path, user)
-                volumes[str(path)] = {"bind": str(path), "mode": "ro"}
+        for path in read_only_inputs(request, outside=run_dir):
+            _check_readable(path, user)
+            volumes[str(path)] = {"bind": str(path), "mode": "ro"}
         budget = request.plan.budget
         options: dict[str, Any] = dict(
             image=env.image, command=[env.manifest.adapter, str(request_path)], working_dir=str(out_dir),

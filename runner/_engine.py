@@ -35,6 +35,7 @@ from ._stacks import StackManifest
 ENV_MARKER = ".runner-env.json"
 LOCAL_MARKER = ".runner-local.json"
 # Variables a stack process may see; everything else of the caller's environment is dropped.
+STACK_PREFIX = Path("/opt/stack")  # the stack's virtualenv inside its image or SIF
 PASSTHROUGH = ("LANG", "LC_ALL", "TZ", "SSL_CERT_FILE", "PIP_CERT", "PIP_INDEX_URL", "PIP_FIND_LINKS")
 FIXED_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -131,14 +132,23 @@ def _run_logged(cmd: list[str], log: Path, what: str) -> None:
         raise EngineError(f"{what} failed (exit {result.returncode}); log: {log}\n{tail}")
 
 
-def read_only_inputs(request: StageRequest) -> list[Path]:
-    """Host paths a job reads: the policy, a checkpoint to resume from, a trained policy to evaluate."""
+def read_only_inputs(request: StageRequest, *, outside: Path | None = None) -> list[Path]:
+    """Host paths a job reads: the policy, a checkpoint to resume from, a trained policy to evaluate;
+    with `outside`, only those not under that folder (the run directory, mounted writable anyway)."""
     paths = [Path(request.policy_dir)] if request.policy_dir else []
     if request.resume_from:
         paths.append(Path(request.resume_from))
     if request.options.get("trained_policy"):
         paths.append(Path(request.options["trained_policy"]))
-    return [path.resolve() for path in paths]
+    resolved = [path.resolve() for path in paths]
+    return [p for p in resolved if not str(p).startswith(str(outside) + os.sep)] if outside else resolved
+
+
+def write_request(request: StageRequest) -> tuple[Path, Path]:
+    """The job's output folder and its request.json, written there (what every engine starts a job with)."""
+    out_dir = Path(request.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir, write_record(out_dir / "request.json", request)
 
 
 def run_dir_of(out_dir: Path) -> Path:
@@ -149,15 +159,18 @@ def run_dir_of(out_dir: Path) -> Path:
     return out_dir.resolve()
 
 
+def job_env(python_bin_dir: Path, home: Path) -> dict[str, str]:
+    """What every job's environment sets, whatever the host: offline flags, PATH, a private HOME and TMPDIR."""
+    return {**FIXED_ENV, "LANG": "C.UTF-8", "PATH": f"{python_bin_dir}:/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(home), "HF_HOME": str(home / "hf"), "XDG_CACHE_HOME": str(home / "cache"),
+            "TMPDIR": str(home / "tmp")}
+
+
 def scrubbed_env(python_bin_dir: Path, home: Path) -> dict[str, str]:
+    """job_env plus the allow-listed host variables (LANG too, when the host sets it); creates TMPDIR."""
     env = {key: os.environ[key] for key in PASSTHROUGH if key in os.environ}
-    env.update(FIXED_ENV)
-    env.setdefault("LANG", "C.UTF-8")
-    env["PATH"] = f"{python_bin_dir}:/usr/local/bin:/usr/bin:/bin"
-    env["HOME"] = str(home)
-    env["HF_HOME"] = str(home / "hf")
-    env["XDG_CACHE_HOME"] = str(home / "cache")
-    env["TMPDIR"] = str(home / "tmp")
+    env.update({key: value for key, value in job_env(python_bin_dir, home).items()
+                if not (key == "LANG" and "LANG" in env)})
     (home / "tmp").mkdir(parents=True, exist_ok=True)
     return env
 
@@ -223,9 +236,7 @@ class LocalEngine:
             kill_when: Callable[[], bool] | None = None, peer: ServiceHandle | None = None) -> RunOutcome:
         """Runs the adapter on `request` in its output folder; kills the group on timeout or `kill_when()`.
         `peer` (the arm's rollout service) needs nothing here: both share the host's loopback."""
-        out_dir = Path(request.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        request_path = write_record(out_dir / "request.json", request)
+        out_dir, request_path = write_request(request)
         cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
         return run_process(cmd, out_dir, scrubbed_env(env.path / "bin", out_dir / ".home"), timeout_s=timeout_s,
                            kill_when=kill_when)
@@ -233,9 +244,7 @@ class LocalEngine:
     def start_service(self, env: StackEnvironment, request: StageRequest, *, ready_timeout_s: float = 300.0,
                       ) -> ServiceHandle:
         """Starts the adapter's long-running `serve` job and waits for its service.json (url, pid)."""
-        out_dir = Path(request.out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        request_path = write_record(out_dir / "request.json", request)
+        out_dir, request_path = write_request(request)
         cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
         return start_process_service(cmd, out_dir, scrubbed_env(env.path / "bin", out_dir / ".home"),
                                      what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s)

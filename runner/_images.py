@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runner_contracts import sha256_file, write_atomic
+
 from ._engine import tree_hash
 from ._errors import EngineError, UserError
 from ._paths import PROJECT_ROOT, cache_dir, local_packages
@@ -202,7 +204,6 @@ class StackImage:
     digest: str  # the engine's content-addressed image id (sha256 of its config)
     python: str
     lock_sha256: str
-    labels: dict[str, str]
 
 
 def stack_definition(manifest: StackManifest) -> Path:
@@ -273,27 +274,20 @@ def image_tag(manifest: StackManifest, inputs: dict[str, Any]) -> str:
     digest.update(manifest.lock.read_bytes())
     digest.update(json.dumps(inputs["buildargs"], sort_keys=True).encode())
     for path in [*inputs["wheels"], *inputs["certs"]]:
-        digest.update(path.name.encode() + b"\0" + _file_sha256(path).encode())
+        digest.update(path.name.encode() + b"\0" + cached_sha256(path).encode())
     digest.update(tree_hash(list(inputs["sources"].values())).encode())
     return f"runner-{manifest.image_name}:{digest.hexdigest()[:16]}"
 
 
-def _file_sha256(path: Path) -> str:
-    """sha256 of a file, memoised by (path, size, mtime) under the cache: wheels are hundreds of MB."""
+def cached_sha256(path: Path) -> str:
+    """sha256 of a large file (wheels, SIFs), memoised by (path, size, mtime) under the cache."""
     stat = path.stat()
     memo = cache_dir() / "images" / "file-hashes.json"
     key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
     known = json.loads(memo.read_text()) if memo.is_file() else {}
     if key not in known:
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        known[key] = digest.hexdigest()
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        partial = memo.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps(known))
-        os.replace(partial, memo)
+        known[key] = sha256_file(path)
+        write_atomic(memo, json.dumps(known).encode())
     return known[key]
 
 
@@ -376,7 +370,7 @@ def stack_image(client: Any, reference: str) -> StackImage:
     if LABEL_STACK not in labels:
         raise UserError(f"image {reference!r} carries no {LABEL_STACK} label: not built by `runner images build`")
     return StackImage(stack=labels[LABEL_STACK], tag=reference, digest=image.id, python=labels.get("runner.python", ""),
-                      lock_sha256=labels.get("runner.lock.sha256", ""), labels=labels)
+                      lock_sha256=labels.get("runner.lock.sha256", ""))
 
 
 def list_stack_images(client: Any) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ upstream name, version and git revision, Python version, the lock's sha256, and 
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import json
 import os
 import re
@@ -16,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 import msgspec
 
-from runner_contracts import write_atomic
+from runner_contracts import sha256_file, write_atomic
 
 from ._engine import find_python
 from ._errors import EngineError, UserError
@@ -128,8 +127,7 @@ def _sha256_of(item: dict) -> str:
         return hashes["sha256"]
     url = urlparse(info.get("url", ""))
     if url.scheme == "file":  # a wheel from a local find-links folder: pip reports no hash
-        with open(unquote(url.path), "rb") as handle:
-            return hashlib.file_digest(handle, "sha256").hexdigest()
+        return sha256_file(unquote(url.path))
     raise EngineError(f"pip reported no sha256 for {item['metadata']['name']} ({info.get('url')}); "
                       "a lock without a hash for every distribution cannot be installed in hash-checking mode")
 

@@ -45,7 +45,6 @@ class StackManifest:
     pip_args: tuple[str, ...] = ()  # extra arguments for installing the lock
     deviations: tuple[str, ...] = ()  # known departures from upstream's declared requirements (recorded in evidence)
     requirements: Path = Path("requirements.in")  # direct requirements `runner pin` resolves into the lock
-    pin_file: str = "pins.json"
     variant: str = "cpu"  # cpu, or gpu for the environment from [gpu] lock
     gpu: GpuVariant | None = None
 
@@ -62,7 +61,12 @@ class StackManifest:
         if self.gpu is None:
             return self
         return dataclasses.replace(self, lock=self.gpu.lock, requirements=self.gpu.requirements,
-                                   pin_file="pins-gpu.json", variant="gpu", pip_args=())
+                                   variant="gpu", pip_args=())
+
+    @property
+    def pin_file(self) -> str:
+        """Its pin record: pins.json, or pins-<variant>.json for another environment of the stack."""
+        return "pins.json" if self.variant == "cpu" else f"pins-{self.variant}.json"
 
     @property
     def image_name(self) -> str:

@@ -54,6 +54,17 @@ def matches_golden(name: str, text: str) -> None:
     assert path.read_text() == text, f"{name} differs from the reviewed golden file (UPDATE_GOLDEN=1 to accept)"
 
 
+def stage_evidence(run_dir: Path, stage: str) -> dict:
+    """An arm's stage evidence.json as plain JSON."""
+    return json.loads((run_dir / "stages" / stage / "evidence.json").read_text())
+
+
+def rollout_tokens(run_dir: Path) -> dict[str, list]:
+    """episode id -> its segments' token ids, from an arm's rollout stage."""
+    lines = (run_dir / "stages" / "rollout" / "trajectories.jsonl").read_text().splitlines()
+    return {r["episode_id"]: [s["token_ids"] for s in r["segments"]] for r in map(json.loads, lines)}
+
+
 COMPARED_ARMS = ["trl", "nemo-gym", "openenv", "verifiers", "lightning-verl"]
 CALC_PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml"
 

@@ -9,7 +9,6 @@ one store at once. Facts these settings rest on (no bridge, runc for podman, exp
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -19,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from runner._engine import _file_lock
 from runner._paths import cache_dir
 
 
@@ -34,9 +34,9 @@ def missing(*binaries: str) -> str | None:
 
 @contextlib.contextmanager
 def _store_lock(store: Path) -> Iterator[None]:
+    """One daemon per store at a time (parallel sessions of the suite share the cache)."""
     store.mkdir(parents=True, exist_ok=True)
-    with open(store.parent / f".{store.name}.lock", "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    with _file_lock(store.parent / f".{store.name}.lock"):
         yield
 
 

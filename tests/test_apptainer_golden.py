@@ -20,7 +20,7 @@ from runner._apptainer import (
     run_build,
 )
 from runner._errors import EngineError
-from runner._images import STACK_DEFINITION, base_for
+from runner._images import STACK_DEFINITION, base_for, context_inputs
 from runner._plan import load_plan
 from runner._stacks import get_stack
 from runner_contracts import StageRequest, freeze_plan
@@ -73,9 +73,7 @@ def test_golden_build_lines():
 def test_golden_definition_file_of_the_trl_gpu_image():
     """Bootstraps from the pinned CUDA image (the GPU base's steps, then the stack's), not a local tag."""
     base = base_for(get_stack("trl"), "gpu")
-    buildargs = {"BASE": base.tag, "STACK": "trl", "UPSTREAM": "trl",
-                 "UPSTREAM_VERSION": "1.16.0", "UPSTREAM_REVISION": "", "PYTHON": "3.11",
-                 "LOCK_SHA256": "5a532966676c4b10917d6a13f2e501e119040fccf7bfc2aa8b8efe0b2b6e6769", "PIP_ARGS": ""}
+    buildargs = context_inputs(get_stack("trl"), base.tag, [], "gpu")["buildargs"]  # as `images export --to def`
     text = definition(get_stack("trl"), STACK_DEFINITION, buildargs, base_containerfile=base.definition,
                       base_args={"CUDA_IMAGE": base.image, "PYTHON": "3.11"})
     assert f"From: {base.image}" in text and "runner-base" not in text

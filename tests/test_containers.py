@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import CALC_PLAN, rollout_tokens, stage_evidence
 from container_daemons import docker_daemon, missing, podman_service
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
 RUNNER = str(Path(sys.executable).parent / "runner")
 
 pytestmark = pytest.mark.slow
@@ -61,15 +61,11 @@ def trl_image(docker_host) -> dict:
 @pytest.fixture(scope="module")
 def docker_run(docker_host, trl_image, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("docker") / "trl"
-    result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--engine", "docker", "--run-dir",
+    result = runner("qualify", "--stack", "trl", "--plan", str(CALC_PLAN), "--engine", "docker", "--run-dir",
                     str(run_dir), "--json", env=docker_host)
     summary = json.loads(result.stdout)
     assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}\n{result.stderr[-3000:]}"
     return run_dir
-
-
-def evidence(run_dir: Path, stage: str) -> dict:
-    return json.loads((run_dir / "stages" / stage / "evidence.json").read_text())
 
 
 def test_image_is_tagged_by_content_and_not_rebuilt(docker_host, trl_image):
@@ -97,21 +93,21 @@ def test_export_writes_a_docker_archive_and_says_how_to_build_the_sif(docker_hos
     assert f"apptainer build --force {archive.with_suffix('.sif')} docker-archive://{archive}" in said
 
 
-def test_qualify_in_docker_passes_every_gate_with_image_evidence(docker_run, trl_image):
+def test_qualify_in_docker_passes_every_gate_with_image_stage_evidence(docker_run, trl_image):
     summary = json.loads((docker_run / "summary.json").read_text())
     assert set(summary["stages"].values()) == {"passed"}, summary["stages"]
-    environment = evidence(docker_run, "probe")["environment"]
+    environment = stage_evidence(docker_run, "probe")["environment"]
     assert environment["engine"] == "docker"
     assert (environment["image"], environment["image_digest"]) == (trl_image["tag"], trl_image["digest"])
     assert environment["packages"]["trl"] == "1.16.0" and environment["packages"]["torch"].startswith("2.13.0")
-    gates = {g["name"]: g for g in evidence(docker_run, "probe")["gates"]}
+    gates = {g["name"]: g for g in stage_evidence(docker_run, "probe")["gates"]}
     assert gates["probe:pins"]["passed"] and trl_image["digest"] in gates["probe:pins"]["detail"]
 
 
 def test_container_isolation_blocks_network_and_input_writes(docker_run):
     """Measured inside the stack's container by its probe: no outbound connection, the policy (a
     read-only input) cannot be written, nothing outside the run directory either."""
-    reach = evidence(docker_run, "probe")["metrics"]["reach"]
+    reach = stage_evidence(docker_run, "probe")["metrics"]["reach"]
     assert reach["inputs"], "the probe must have tried to write into the policy folder"
     assert reach["outbound_tcp"] is False
     assert reach["write_inputs"] is False
@@ -120,16 +116,11 @@ def test_container_isolation_blocks_network_and_input_writes(docker_run):
 
 def test_docker_trajectories_are_token_identical_to_the_local_engine(docker_run, tmp_path):
     local = tmp_path / "local"
-    result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--stages", "probe,rollout",
+    result = runner("qualify", "--stack", "trl", "--plan", str(CALC_PLAN), "--stages", "probe,rollout",
                     "--run-dir", str(local), "--json")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert evidence(local, "probe")["metrics"]["reach"]["write_inputs"] is True  # the local engine isolates nothing
-
-    def tokens(run_dir: Path) -> dict[str, list]:
-        lines = (run_dir / "stages" / "rollout" / "trajectories.jsonl").read_text().splitlines()
-        return {r["episode_id"]: [s["token_ids"] for s in r["segments"]] for r in map(json.loads, lines)}
-
-    in_docker, on_host = tokens(docker_run), tokens(local)
+    assert stage_evidence(local, "probe")["metrics"]["reach"]["write_inputs"] is True  # the local engine isolates nothing
+    in_docker, on_host = rollout_tokens(docker_run), rollout_tokens(local)
     assert len(in_docker) == 32 and in_docker == on_host
 
 
@@ -142,7 +133,7 @@ def test_changed_pin_without_rebuild_fails_the_probe_naming_the_package(docker_h
     # its changed lock would otherwise mean a new builder environment and a new policy.
     policy = json.loads((docker_run / "plan.json").read_text())["policy"]["path"]
     plan = tmp_path / "plan.yaml"
-    plan.write_text(PLAN.read_text().replace("kind: tiny", f"kind: path\n  path: {policy}"))
+    plan.write_text(CALC_PLAN.read_text().replace("kind: tiny", f"kind: path\n  path: {policy}"))
 
     check = runner("pin", "--check", "--stack", "trl", "--json", env=env)
     assert check.returncode == 1
@@ -151,7 +142,7 @@ def test_changed_pin_without_rebuild_fails_the_probe_naming_the_package(docker_h
     result = runner("qualify", "--stack", "trl", "--plan", str(plan), "--engine", "docker", "--image",
                     trl_image["tag"], "--stages", "probe", "--run-dir", str(tmp_path / "run"), "--json", env=env)
     assert result.returncode == 1, result.stderr[-2000:]
-    gates = {g["name"]: g for g in evidence(tmp_path / "run", "probe")["gates"]}
+    gates = {g["name"]: g for g in stage_evidence(tmp_path / "run", "probe")["gates"]}
     assert not gates["probe:lock-match"]["passed"]
     assert "pyyaml: locked 6.0.3, installed 6.0.4" in gates["probe:lock-match"]["detail"]
     assert not gates["probe:pins"]["passed"] and "was built from lock" in gates["probe:pins"]["detail"]
@@ -165,10 +156,10 @@ def test_podman_engine_runs_the_same_image_definition(tmp_path):
         env = {"RUNNER_PODMAN_HOST": url, "RUNNER_STACKS_DIR": str(copy_stacks(tmp_path / "stacks"))}
         image = checked(runner("images", "build", "--stack", "trl", "--engine", "podman", "--json", env=env))
         run_dir = tmp_path / "podman"
-        result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--engine", "podman", "--stages",
+        result = runner("qualify", "--stack", "trl", "--plan", str(CALC_PLAN), "--engine", "podman", "--stages",
                         "probe,service,rollout", "--run-dir", str(run_dir), "--json", env=env)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    probe = evidence(run_dir, "probe")
+    probe = stage_evidence(run_dir, "probe")
     assert probe["environment"]["engine"] == "podman" and probe["environment"]["image_digest"] == image["digest"]
     reach = probe["metrics"]["reach"]
     assert (reach["outbound_tcp"], reach["write_inputs"], reach["write_outside_run_dir"]) == (False, False, False)
@@ -178,18 +169,13 @@ def test_environment_arm_in_docker_talks_to_its_service_over_loopback_only(docke
     """openenv's rollout service runs in its own container, the trl trainer jobs join that container's
     network namespace; both show no outbound network, and the episodes equal the local engine's."""
     run_dir = tmp_path / "openenv"
-    result = runner("qualify", "--stack", "openenv", "--plan", str(PLAN), "--engine", "docker", "--stages",
+    result = runner("qualify", "--stack", "openenv", "--plan", str(CALC_PLAN), "--engine", "docker", "--stages",
                     "probe,service,rollout", "--run-dir", str(run_dir), "--json", env=docker_host)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    probe = evidence(run_dir, "probe")
+    probe = stage_evidence(run_dir, "probe")
     assert probe["environment"]["image"].startswith("runner-openenv:")
     for reach in (probe["metrics"]["reach"], probe["metrics"]["trainer"]["reach"]):
         assert (reach["outbound_tcp"], reach["write_inputs"]) == (False, False)
-    recovery = evidence(run_dir, "rollout")["metrics"]["recovery"]
+    recovery = stage_evidence(run_dir, "rollout")["metrics"]["recovery"]
     assert recovery["faults_injected"] == 1 and recovery["lost"] == 0
-
-    def tokens(folder: Path) -> dict[str, list]:
-        lines = (folder / "stages" / "rollout" / "trajectories.jsonl").read_text().splitlines()
-        return {r["episode_id"]: [s["token_ids"] for s in r["segments"]] for r in map(json.loads, lines)}
-
-    assert tokens(run_dir) == tokens(local_comparison[0] / "arms" / "openenv")
+    assert rollout_tokens(run_dir) == rollout_tokens(local_comparison[0] / "arms" / "openenv")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CALC_PLAN
+from conftest import CALC_PLAN, stage_evidence
 from slurm_cluster import missing, slurm_cluster
 
 RUNNER = str(Path(sys.executable).parent / "runner")
@@ -48,10 +48,6 @@ def wait_for(predicate, what: str, timeout_s: float = 600) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
-
-
-def evidence(run_dir: Path, stage: str) -> dict:
-    return json.loads((run_dir / "stages" / stage / "evidence.json").read_text())
 
 
 def test_qualification_is_submitted_followed_and_its_evidence_collected(cluster, tmp_path):
@@ -100,8 +96,8 @@ def test_cancel_stops_a_running_job_and_marks_its_stage(cluster, tmp_path):
     wait_for(lambda: status(cluster, run_dir)["finished"], "the cancelled job to end", 120)
     job = status(cluster, run_dir)["jobs"][0]
     assert job["state"] == "CANCELLED"
-    assert evidence(run_dir, "probe")["status"] == "passed"
-    marked = evidence(run_dir, "rollout")
+    assert stage_evidence(run_dir, "probe")["status"] == "passed"
+    marked = stage_evidence(run_dir, "rollout")
     assert marked["status"] == "error" and marked["error"]["kind"] == "interrupted"
     assert runner(cluster, "status", str(run_dir)).returncode == 1
 
@@ -130,12 +126,12 @@ def test_requeued_mid_update_resumes_from_the_checkpoint_and_passes_the_boundary
     assert job["state"] == "COMPLETED", job
     attempt = json.loads((run_dir / "stages" / "update.attempt-1" / "evidence.json").read_text())
     assert attempt["error"]["kind"] == "interrupted"
-    update = evidence(run_dir, "update")
+    update = stage_evidence(run_dir, "update")
     gates = {g["name"]: g for g in update["gates"]}
     assert update["status"] == "passed", [g for g in update["gates"] if not g["passed"]]
     assert {"requeue:same-order", "requeue:same-tokens", "requeue:same-final-weights"} <= set(gates)
     assert update["metrics"]["requeue"]["resumed_from"].startswith("checkpoint-")
-    assert evidence(run_dir, "probe")["status"] == "passed"  # kept from the first attempt, not run again
+    assert stage_evidence(run_dir, "probe")["status"] == "passed"  # kept from the first attempt, not run again
     assert not (run_dir / "stages" / "probe.attempt-1").exists()
 
 
@@ -151,7 +147,7 @@ def test_compare_on_slurm_equals_the_local_executor(cluster, local_comparison, t
     for stack in ("trl", "openenv"):
         on_slurm, local = run_dir / "arms" / stack, local_dir / "arms" / stack
         for stage in ("probe", "service", "rollout", "update", "resume", "train", "evaluate"):
-            outcomes = [{g["name"]: g["passed"] for g in evidence(folder, stage)["gates"]} for folder in (on_slurm, local)]
+            outcomes = [{g["name"]: g["passed"] for g in stage_evidence(folder, stage)["gates"]} for folder in (on_slurm, local)]
             assert outcomes[0] == outcomes[1], (stack, stage)
         for stage in ("rollout", "train"):
             tokens = [[[s["token_ids"] for s in json.loads(line)["segments"]]

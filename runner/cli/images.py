@@ -112,9 +112,9 @@ def export(
             base = base_for(manifest, "gpu")
             inputs = context_inputs(manifest, base.tag, extra_ca_certificates(None), "gpu")
             target = out / f"{name}-def"
+            if target.exists():
+                raise UserError(f"{target} exists; remove it or choose another --out")
             with build_context(manifest, inputs) as context:
-                if target.exists():
-                    raise UserError(f"{target} exists; remove it or choose another --out")
                 shutil.copytree(context, target)
             (target / f"{name}.def").write_text(definition(
                 manifest, stack_definition(manifest), inputs["buildargs"], base_containerfile=base.definition,

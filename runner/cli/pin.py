@@ -6,7 +6,7 @@ import msgspec
 import typer
 from rich.table import Table
 
-from .._pins import check_pins, record_lock, resolve_lock
+from .._pins import check_pins, pin_path, record_lock, resolve_lock
 from .._errors import UserError
 from .._stacks import all_stacks, get_stack
 from ._common import cli_errors, console, err_console, print_json
@@ -59,4 +59,4 @@ def pin(
         print_json(msgspec.to_builtins(record))
     else:
         console.print(f"{manifest.lock} ({len(manifest.locked_packages())} pins, sha256 {record.lock_sha256[:12]}) "
-                      f"and {manifest.folder / manifest.pin_file} written", highlight=False)
+                      f"and {pin_path(manifest)} written", highlight=False)
