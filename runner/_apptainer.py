@@ -96,6 +96,7 @@ class ApptainerEngine:
 
     def _command(self, env: StackEnvironment, request: StageRequest) -> tuple[list[str], Path]:
         out_dir, _ = write_request(request)
+        (out_dir / ".home" / "tmp").mkdir(parents=True, exist_ok=True)  # the job's TMPDIR must exist
         job = job_for_request(env.manifest, request, Path(env.image or ""), run_dir_of(out_dir), binary=self.binary)
         job = replace(job, read_only=job.read_only + self.binds)
         return exec_command(job), out_dir

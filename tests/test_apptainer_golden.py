@@ -84,3 +84,18 @@ def test_golden_definition_file_of_the_trl_gpu_image():
 def test_sif_build_without_apptainer_says_what_to_run():
     with pytest.raises(EngineError, match="not installed here; on a machine that has it, run:"):
         run_build(["apptainer-not-installed", "build", "x.sif", "docker-archive:///x.tar"])
+
+
+def test_an_apptainer_job_gets_its_private_tmpdir_created(tmp_path, monkeypatch):
+    """--containall gives the job no /tmp of the host: TMPDIR points into the stage folder and must exist."""
+    from runner._apptainer import ApptainerEngine
+    from runner._engine import STACK_PREFIX, StackEnvironment
+
+    monkeypatch.setenv("RUNNER_SIF_DIR", str(tmp_path / "sif"))
+    stage = tmp_path / "run" / "stages" / "probe"
+    env = StackEnvironment(manifest=get_stack("trl"), path=STACK_PREFIX, python_version="3.11", lock_sha256="0" * 64,
+                           image=str(tmp_path / "sif" / "trl.sif"))
+    job = msgspec.structs.replace(request("probe", 0), out_dir=str(stage))
+    command, out_dir = ApptainerEngine()._command(env, job)
+    assert out_dir == stage and (stage / ".home" / "tmp").is_dir()
+    assert f"TMPDIR={stage / '.home' / 'tmp'}" in command and (stage / "request.json").is_file()

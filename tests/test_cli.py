@@ -58,6 +58,8 @@ def test_engine_and_executor_mistakes_are_one_line_errors(tmp_path, monkeypatch)
         (("qualify", "--stack", "trl", "--plan", plan, "--dry-run"), "--cluster and --dry-run belong to --executor slurm"),
         (("qualify", "--stack", "trl", "--plan", plan, "--engine", "local", "--image", "x"), "--image needs --engine docker"),
         (("qualify", "--stack", "trl", "--plan", plan, "--resume"), "--resume needs --run-dir"),
+        (("qualify", "--stack", "trl", "--plan", plan, "--executor", "slurm", "--engine", "docker", "--image", "x"),
+         "--image belongs to --executor local"),
         (("status", str(tmp_path)), "no slurm/jobs.json"),
         (("images", "export", "--stack", "trl", "--to", "zip"), "--to 'zip': expected sif, docker-archive or def"),
     ]

@@ -36,12 +36,15 @@ def _parse_stages(text: str | None, available: tuple[str, ...]) -> list[str]:
     return [stage for stage in STAGES if stage in wanted]
 
 
-def check_executor(executor: str, engine: str, cluster: Path | None, dry_run: bool) -> None:
+def check_executor(executor: str, engine: str, cluster: Path | None, dry_run: bool, image: str | None = None) -> None:
     if executor not in EXECUTORS:
         raise UserError(f"--executor {executor!r}: executors are {', '.join(EXECUTORS)}")
     check_engine(engine)
     if executor == "local" and (cluster or dry_run):
         raise UserError("--cluster and --dry-run belong to --executor slurm")
+    if executor == "slurm" and image:
+        raise UserError("--image belongs to --executor local: a Slurm job builds or finds the stack's image on "
+                        "its node (Apptainer: <RUNNER_SIF_DIR>/<stack>.sif)")
 
 
 def report_submitted(jobs: list[SubmittedJob], target: Path, *, dry_run: bool, json_output: bool) -> None:
@@ -145,7 +148,7 @@ def qualify(
         plan = load_plan(plan_path)
         selected = _parse_stages(stages, tuple(s for s in manifest.stages if s in RECIPE_STAGES[plan.recipe]))
         log = (lambda message: err_console.print(f"[dim]{message}[/]")) if not json_output else (lambda m: None)
-        check_executor(executor, engine, cluster, dry_run)
+        check_executor(executor, engine, cluster, dry_run, image)
         if resume and run_dir is None:
             raise UserError("--resume needs --run-dir: the run to continue")
         runner_engine = make_engine(engine, log=log, images={stack: image} if image else None) \
