@@ -22,11 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from runner_contracts import StageRequest, write_record
+from runner_contracts.processes import JOB_TOKEN_VAR, die_with_parent, end_job
 
 from ._errors import EngineError
 from ._paths import cache_dir, local_packages
@@ -250,15 +252,24 @@ class LocalEngine:
                                      what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s)
 
 
+def _start_job(cmd: list[str], out_dir: Path, env: dict[str, str], stdout, stderr) -> tuple[subprocess.Popen, str]:
+    """Starts a job (the launcher's supervisor) in its own session, marked with a fresh token; it gets
+    SIGTERM, and so ends everything below it, if the runner dies."""
+    token = uuid.uuid4().hex
+    process = subprocess.Popen(cmd, cwd=out_dir, env={**env, JOB_TOKEN_VAR: token}, stdout=stdout, stderr=stderr,
+                               stdin=subprocess.DEVNULL, start_new_session=True,
+                               preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    return process, token
+
+
 def run_process(cmd: list[str], out_dir: Path, env: dict[str, str], *, timeout_s: float,
                 kill_when: Callable[[], bool] | None = None) -> RunOutcome:
     """Runs one job in `out_dir` in its own process group, logs to files; SIGKILLs the group on timeout
-    or when `kill_when()` turns true."""
+    or when `kill_when()` turns true. Whatever the job started is ended with it."""
     stdout, stderr = out_dir / "stdout.log", out_dir / "stderr.log"
     started = time.monotonic()
     with open(stdout, "wb") as out, open(stderr, "wb") as err:
-        process = subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, preexec_fn=_die_with_parent)
+        process, token = _start_job(cmd, out_dir, env, out, err)
 
         def finished(step_s: float) -> bool:
             try:
@@ -273,6 +284,8 @@ def run_process(cmd: list[str], out_dir: Path, env: dict[str, str], *, timeout_s
         except BaseException:
             _kill_group(process)
             raise
+        finally:
+            end_job(token)
     shutil.rmtree(out_dir / ".home", ignore_errors=True)
     return RunOutcome(exit_code=process.returncode, killed=killed, timed_out=timed_out,
                       seconds=time.monotonic() - started, stdout=stdout, stderr=stderr)
@@ -317,12 +330,9 @@ def start_process_service(cmd: list[str], out_dir: Path, env: dict[str, str], *,
                           ready_timeout_s: float) -> ServiceHandle:
     """Starts a long-running job in its own process group and waits for the service.json it writes."""
     (out_dir / "service.json").unlink(missing_ok=True)
-    stdout, stderr = open(out_dir / "stdout.log", "wb"), open(out_dir / "stderr.log", "wb")
-    process = subprocess.Popen(cmd, cwd=out_dir, env=env, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
-                               start_new_session=True, preexec_fn=_die_with_parent)
-    stdout.close()
-    stderr.close()
-    handle = ServiceHandle(process=process, out_dir=out_dir, url="")
+    with open(out_dir / "stdout.log", "wb") as stdout, open(out_dir / "stderr.log", "wb") as stderr:
+        process, token = _start_job(cmd, out_dir, env, stdout, stderr)
+    handle = ServiceHandle(process=process, out_dir=out_dir, url="", token=token)
     handle.url = wait_for_service(out_dir, handle.alive, handle.stop, what=what, ready_timeout_s=ready_timeout_s)
     return handle
 
@@ -334,6 +344,7 @@ class ServiceHandle:
     process: subprocess.Popen
     out_dir: Path
     url: str
+    token: str  # JOB_TOKEN_VAR of everything the service started
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -347,16 +358,9 @@ class ServiceHandle:
                 self.process.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 _kill_group(self.process)
+        end_job(self.token)
         shutil.rmtree(self.out_dir / ".home", ignore_errors=True)
         return self.process.returncode
-
-
-def _die_with_parent() -> None:
-    """Runs in the child before exec: on Linux it gets SIGKILL if the runner dies, so no stage outlives it."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _kill_group(process: subprocess.Popen) -> None:

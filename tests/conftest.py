@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,31 @@ def local_comparison(tmp_path_factory):
                             capture_output=True, text=True, timeout=5400)
     assert result.returncode in (0, 1), result.stderr[-3000:]
     return run_dir, json.loads(result.stdout), result
+
+
+def leftover_processes(run_dir: Path) -> list[str]:
+    """Live processes whose working directory is inside `run_dir` or whose environment names it
+    ("pid: command line"); a finished stage must leave none."""
+    root = str(Path(run_dir).resolve())
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
+                continue
+            cwd = os.readlink(proc / "cwd").removesuffix(" (deleted)")
+            environ = (proc / "environ").read_bytes().decode(errors="replace")
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if cwd == root or cwd.startswith(root + os.sep) or root in environ:
+            found.append(f"{proc.name}: {command}")
+    return found
+
+
+def wait_until(predicate, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.1)

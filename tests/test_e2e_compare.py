@@ -10,6 +10,7 @@ import json
 
 import pytest
 from conftest import COMPARED_ARMS as ARMS
+from conftest import leftover_processes, wait_until
 
 from runner_contracts import Evidence, read_record
 
@@ -75,3 +76,11 @@ def test_environment_arms_that_see_the_same_conversations_train_the_same_weights
     _, data, _ = comparison
     weights = {arm["stack"]: arm["final_weights_sha256"] for arm in data["arms"] if arm["stack"] != "trl"}
     assert len(set(weights.values())) == 1 and None not in weights.values(), weights
+
+
+def test_no_process_outlives_the_comparison(comparison):
+    """Every process any stage of any arm started (servers an upstream starts in a session of its own
+    included) ended with its stage."""
+    run_dir, _, _ = comparison
+    wait_until(lambda: not leftover_processes(run_dir), f"no process left in {run_dir}: "
+               f"{leftover_processes(run_dir)}", 10)

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import CALC_PLAN, leftover_processes, wait_until
 from stack_checks import (
     SAMPLING,
     assert_crash_mid_batch_loses_nothing,
@@ -33,6 +35,7 @@ from runner._stacks import get_stack
 from runner_contracts import EpisodeSpec
 
 pytestmark = pytest.mark.slow
+RUNNER = str(Path(sys.executable).parent / "runner")
 
 
 @pytest.fixture(scope="module")
@@ -336,3 +339,19 @@ def test_tool_server_or_fork_server_killed_loses_no_episode(env, tmp_path):
     assert fork_killed["killed"] and fork_killed["restarts"] == 1 and fork_killed["starts"] == 3
     for batch in (before, tools_killed, fork_killed):
         assert_scores_as_reference(batch["results"], cases)
+
+
+def test_a_sigkilled_runner_leaves_no_verifiers_process(env, tmp_path):
+    """`runner qualify` SIGKILLed while Verifiers' env server and its MCP tool server (started by verifiers
+    in sessions of their own) serve the service stage: the job's supervisor ends all of them."""
+    run_dir = tmp_path / "killed"
+    runner = subprocess.Popen([RUNNER, "qualify", "--stack", "verifiers", "--plan", str(CALC_PLAN), "--stages",
+                               "probe,service", "--run-dir", str(run_dir), "--json"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: any("runner_stack_verifiers.toolset" in p for p in leftover_processes(run_dir)),
+                   "the MCP tool server of the service stage", 300)
+    finally:
+        runner.kill()
+        runner.wait()
+    wait_until(lambda: not leftover_processes(run_dir), "every process of the killed run to end", 30)

@@ -1,7 +1,9 @@
 """Adapter launcher: `python -m runner_contracts.launch MODULE:ATTR REQUEST_JSON`.
 
-Imports the adapter entry lazily, runs it on the StageRequest and writes result.json to the request's
-out_dir. A failure is written as result.json with `error` set, its traceback goes to stderr, exit 1.
+Runs the adapter in a child process under a supervisor (runner_contracts.processes.supervise), so that
+nothing the adapter starts outlives the job. The child imports the adapter entry lazily, runs it on the
+StageRequest and writes result.json to the request's out_dir. A failure is written as result.json with
+`error` set, its traceback goes to stderr, exit 1.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import traceback
 from pathlib import Path
 
 from .io import RecordError, read_record, write_record
+from .processes import supervise
 from .records import ErrorInfo, StageRequest, StageResult
 
 RESULT_FILE = "result.json"
+ADAPTER_FLAG = "--adapter-process"  # the supervised child: runs the adapter itself
 
 
 def load_entry(spec: str):
@@ -24,20 +28,33 @@ def load_entry(spec: str):
     return getattr(importlib.import_module(module_name), attr)
 
 
+USAGE = "usage: python -m runner_contracts.launch MODULE:ATTR REQUEST_JSON"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    supervised = args[:1] == [ADAPTER_FLAG]
+    if supervised:
+        args = args[1:]
     if len(args) != 2:
-        print("usage: python -m runner_contracts.launch MODULE:ATTR REQUEST_JSON", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
+    if not supervised:
+        return supervise([sys.executable, "-m", "runner_contracts.launch", ADAPTER_FLAG, *args])
+    return run_adapter(args[0], Path(args[1]))
+
+
+def run_adapter(entry: str, request_path: Path) -> int:
+    """Runs the adapter entry on the request in this process; result.json either way."""
     try:
-        request = read_record(args[1], StageRequest)
+        request = read_record(request_path, StageRequest)
     except (OSError, RecordError) as error:
         print(f"cannot read stage request: {error}", file=sys.stderr)
         return 2
     out_dir = Path(request.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        result = load_entry(args[0])(request)
+        result = load_entry(entry)(request)
         write_record(out_dir / RESULT_FILE, result)
     except Exception as error:  # the adapter's failure becomes evidence, not a lost traceback
         traceback.print_exc()

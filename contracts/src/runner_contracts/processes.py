@@ -1,0 +1,167 @@
+"""Process lifecycle shared by the host and every stack job (Linux; elsewhere a no-op).
+
+A stage's job runs under a supervisor (`python -m runner_contracts.launch`): it is a child subreaper, so
+every process the adapter starts stays below it even when it starts a new session and its parent dies
+(upstreams do both: Verifiers' MCP tool server, Ray's daemons, uvicorn workers). When the adapter exits,
+or the supervisor is told to stop (SIGTERM from the host, or from the kernel when the host dies), the
+supervisor ends every process below it before it exits itself.
+
+The host marks each job's environment with a token (JOB_TOKEN_VAR) and, after the job, ends whatever
+still carries it: the backstop for a supervisor that was SIGKILLed with its process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+JOB_TOKEN_VAR = "RUNNER_JOB_TOKEN"
+PROC = Path("/proc")
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """The calling process gets `sig` when the thread that started it exits (PR_SET_PDEATHSIG); usable as a
+    Popen preexec_fn. Survives exec."""
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def parent_pids() -> dict[int, int]:
+    """pid -> parent pid of every process visible in /proc (empty where there is no /proc)."""
+    parents: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(PROC):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (PROC / entry.name / "stat").read_text()
+            except OSError:
+                continue
+            # pid (comm) state ppid ...; comm may hold spaces and parentheses
+            fields = stat.rsplit(")", 1)[-1].split()
+            if len(fields) > 1:
+                parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, parents before children."""
+    children: dict[int, list[int]] = {}
+    for child, parent in parent_pids().items():
+        children.setdefault(parent, []).append(child)
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        current = queue.pop(0)
+        found.append(current)
+        queue.extend(children.get(current, []))
+    return found
+
+
+def carrying(token: str) -> list[int]:
+    """Processes whose initial environment holds JOB_TOKEN_VAR=token (only ours are readable to us)."""
+    needle = f"{JOB_TOKEN_VAR}={token}".encode()
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(PROC):
+            if entry.name.isdigit() and int(entry.name) != os.getpid():
+                with contextlib.suppress(OSError):
+                    if needle in (PROC / entry.name / "environ").read_bytes().split(b"\0"):
+                        found.append(int(entry.name))
+    return found
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def _signal_all(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _reap_orphans() -> None:
+    """Collects exited children (a subreaper inherits orphans and must wait for them)."""
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+
+
+def end_processes(find, *, grace_s: float = 2.0) -> int:
+    """SIGTERM what `find()` returns, SIGKILL what is left after `grace_s`, until nothing is found.
+    Returns how many processes were signalled."""
+    pids = [pid for pid in find() if not _is_zombie(pid)]
+    ended = set(pids)
+    _signal_all(pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while pids:
+        _reap_orphans()
+        pids = [pid for pid in find() if not _is_zombie(pid)]
+        ended.update(pids)
+        if time.monotonic() > deadline:
+            _signal_all(pids, signal.SIGKILL)
+        time.sleep(0.05)
+    _reap_orphans()
+    return len(ended)
+
+
+def end_job(token: str, *, grace_s: float = 2.0) -> int:
+    """Ends every process still carrying the job's token; returns how many there were."""
+    return end_processes(lambda: carrying(token), grace_s=grace_s)
+
+
+def supervise(cmd: list[str], *, stop_grace_s: float = 10.0) -> int:
+    """Runs `cmd` as a child and returns its exit code (128 + N for signal N) once it and everything it
+    started have ended. SIGTERM, SIGINT and SIGHUP are passed to the child; if it has not exited
+    `stop_grace_s` later it is killed."""
+    subreaper = _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    stop_at: list[float] = []
+    child = subprocess.Popen(cmd, preexec_fn=die_with_parent)
+
+    def forward(signum, frame) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, signum)
+        if not stop_at:
+            stop_at.append(time.monotonic() + stop_grace_s)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    while True:
+        try:
+            pid, status = os.waitpid(-1 if subreaper else child.pid, os.WNOHANG)
+        except ChildProcessError:  # the child was collected elsewhere; nothing left to wait for
+            break
+        if pid == child.pid:
+            child.returncode = os.waitstatus_to_exitcode(status)
+            break
+        if pid == 0:
+            if stop_at and time.monotonic() > stop_at[0]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signal.SIGKILL)
+            time.sleep(0.05)
+    if subreaper:
+        me = os.getpid()
+        end_processes(lambda: descendants(me))
+    code = child.returncode if child.returncode is not None else 1
+    return 128 - code if code < 0 else code

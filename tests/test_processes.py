@@ -1,0 +1,144 @@
+"""Nothing a stage's job starts outlives it (runner_contracts.processes): real processes, a real adapter
+entry that starts a grandchild in a session of its own (as Verifiers' MCP tool server is started), run by
+the launcher exactly as the engines run it. Checked when the adapter returns, when it crashes, when the
+host stops a service, and when the host itself is SIGKILLed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CALC_PLAN, leftover_processes, wait_until
+from runner._engine import run_process, scrubbed_env, start_process_service
+from runner._plan import load_plan
+from runner_contracts import StageRequest, write_record
+from runner_contracts.processes import descendants, end_processes
+
+ADAPTER = '''
+import json, os, subprocess, sys, time
+from pathlib import Path
+from runner_contracts import StageResult
+
+def start_orphan(out_dir):
+    """A grandchild in a new session whose parent exits at once: it is nobody's child but the subreaper's."""
+    code = "import os, time; open('orphan.pid', 'w').write(str(os.getpid())); time.sleep(600)"
+    middle = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', %r], start_new_session=True)" % code)
+    subprocess.run([sys.executable, "-c", middle], cwd=out_dir, check=True)
+    while not (Path(out_dir) / "orphan.pid").is_file():
+        time.sleep(0.01)
+
+def leak(request):
+    start_orphan(request.out_dir)
+    if request.options.get("crash"):
+        raise RuntimeError("adapter crashed after starting a server")
+    if request.options.get("hang"):
+        time.sleep(600)
+    return StageResult(stage=request.stage)
+
+def serve(request):
+    start_orphan(request.out_dir)
+    (Path(request.out_dir) / "service.json").write_text(json.dumps({"url": "http://127.0.0.1:1", "pid": os.getpid()}))
+    time.sleep(600)
+'''
+
+
+@pytest.fixture
+def adapter(tmp_path, monkeypatch):
+    """The adapter module on the job's PYTHONPATH, and a request factory."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "leaky_adapter.py").write_text(ADAPTER)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    plan = load_plan(CALC_PLAN)
+    write_record(run_dir / "plan.json", plan)
+
+    def job(stage: str, **options) -> tuple[list[str], Path, dict[str, str]]:
+        out_dir = run_dir / "stages" / stage
+        out_dir.mkdir(parents=True)
+        request = write_record(out_dir / "request.json", StageRequest(
+            run_id="run", stack="test", stage=stage, plan=plan, out_dir=str(out_dir), options=options))
+        entry = "leaky_adapter:serve" if stage == "serve" else "leaky_adapter:leak"
+        env = {**scrubbed_env(Path(sys.executable).parent, out_dir / ".home"), "PYTHONPATH": str(package)}
+        return [sys.executable, "-m", "runner_contracts.launch", entry, str(request)], out_dir, env
+
+    job.run_dir = run_dir
+    return job
+
+
+def orphan_of(out_dir: Path) -> int:
+    return int((out_dir / "orphan.pid").read_text())
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+@pytest.mark.parametrize("options", [{}, {"crash": True}], ids=["returns", "crashes"])
+def test_a_job_ends_everything_it_started(adapter, options):
+    cmd, out_dir, env = adapter("service", **options)
+    outcome = run_process(cmd, out_dir, env, timeout_s=60)
+    assert outcome.exit_code == (1 if options else 0), outcome.stderr.read_text()
+    assert gone(orphan_of(out_dir))
+    assert leftover_processes(adapter.run_dir) == []
+
+
+def test_a_timed_out_job_is_ended_with_what_it_started(adapter):
+    cmd, out_dir, env = adapter("train", hang=True)
+    outcome = run_process(cmd, out_dir, env, timeout_s=3)
+    assert outcome.timed_out
+    assert gone(orphan_of(out_dir)) and leftover_processes(adapter.run_dir) == []
+
+
+def test_a_stopped_service_ends_what_it_started(adapter):
+    cmd, out_dir, env = adapter("serve")
+    service = start_process_service(cmd, out_dir, env, what="leaky service", ready_timeout_s=30)
+    orphan = orphan_of(out_dir)
+    assert not gone(orphan)
+    service.stop()
+    assert gone(orphan) and leftover_processes(adapter.run_dir) == []
+
+
+HOST = '''
+import json, sys
+from pathlib import Path
+from runner._engine import run_process
+cmd, out_dir, env = json.loads(sys.argv[1])
+run_process(cmd, Path(out_dir), env, timeout_s=600)
+'''
+
+
+def test_a_sigkilled_host_leaves_nothing_behind(adapter):
+    """The host (a process running a job as the engines do) is SIGKILLed mid-job: the job's supervisor
+    gets SIGTERM from the kernel and ends the adapter and the orphan it started."""
+    cmd, out_dir, env = adapter("train", hang=True)
+    host = subprocess.Popen([sys.executable, "-c", HOST, json.dumps([cmd, str(out_dir), env])])
+    wait_until(lambda: (out_dir / "orphan.pid").is_file(), "the adapter to start its server", 60)
+    orphan = orphan_of(out_dir)
+    host.send_signal(signal.SIGKILL)
+    host.wait()
+    wait_until(lambda: gone(orphan) and not leftover_processes(adapter.run_dir), "the job to end", 30)
+
+
+def test_end_processes_ends_a_tree_that_ignores_sigterm(tmp_path):
+    script = "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); " \
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    wait_until(lambda: len(descendants(parent.pid)) == 1, "the grandchild to start", 30)
+    tree = [parent.pid, *descendants(parent.pid)]
+    started = time.monotonic()
+    assert end_processes(lambda: [pid for pid in tree if not gone(pid)], grace_s=0.5) == 2
+    parent.wait()
+    assert all(gone(pid) for pid in tree) and time.monotonic() - started < 30
