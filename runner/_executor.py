@@ -3,8 +3,10 @@ read the run directory's slurm/jobs.json."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from ._slurm import (
 
 EXECUTORS = ("local", "slurm")
 ENDED = FINISHED | {"UNKNOWN"}
+ATTEMPT_LINE = re.compile(r"^runner: job (\d+) attempt (\d+) started on (\S+) at (\S+)$")
 
 
 def _write_script(path: Path, text: str) -> Path:
@@ -89,6 +92,34 @@ def _arm_evidence(arm_dir: Path) -> dict[str, Evidence | None]:
     return found
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """One run of an arm's batch script, from the line arm.sbatch prints first."""
+
+    number: int
+    host: str
+    started_at: str
+
+
+def job_log(arm_dir: Path, job_id: str) -> Path:
+    return arm_dir / "slurm" / f"job-{job_id}.out"
+
+
+def read_attempts(log: Path) -> tuple[list[Attempt], list[str]]:
+    """The attempts a job's log records, and the log lines of the last one (all lines if none is recorded)."""
+    attempts: list[Attempt] = []
+    lines: list[str] = []
+    if log.is_file():
+        for line in log.read_text(errors="replace").splitlines():
+            found = ATTEMPT_LINE.match(line.strip())
+            if found:
+                attempts.append(Attempt(int(found[2]), found[3], found[4]))
+                lines = []
+            elif line.strip():
+                lines.append(line.strip())
+    return attempts, lines
+
+
 def status(run_dir: Path) -> dict[str, Any]:
     """Job states and stage evidence of a run submitted with --executor slurm."""
     record = read_jobs(run_dir)
@@ -101,30 +132,45 @@ def status(run_dir: Path) -> dict[str, Any]:
                "exit_code": state.exit_code, "restarts": state.restarts, "script": job["script"]}
         if job["name"] != "report":
             evidence = _arm_evidence(arm_dir)
+            attempts, last_lines = read_attempts(job_log(arm_dir, job["job_id"])) if job["job_id"] else ([], [])
+            row["attempts"] = len(attempts)
             row["stages"] = {stage: e.status if e else "unreadable" for stage, e in evidence.items()}
-            row["error"] = _first_error(evidence, arm_dir, job["job_id"], row)
+            row["error"] = _first_error(evidence, attempts, last_lines, row)
         rows.append(row)
     finished = all(row["state"] in ENDED or row["job_id"] is None for row in rows)
     return {"run_dir": str(run_dir), "kind": record["kind"], "jobs": rows, "finished": finished}
 
 
-def _first_error(evidence: dict[str, Evidence | None], arm_dir: Path, job_id: str | None,
+FAILED_STATES = ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED",
+                 "CANCELLED")
+
+
+def _first_error(evidence: dict[str, Evidence | None], attempts: list[Attempt], last_lines: list[str],
                  row: dict[str, Any]) -> str | None:
-    """Why an arm failed: the first stage error or failed gate, else the tail of the job's log."""
+    """Why an arm failed: the first stage error or failed gate of the job's last attempt, else what that
+    attempt printed; an attempt Slurm ended before its script ran is named as such."""
+    ended_badly = row["state"] in FAILED_STATES
+    expected = row["restarts"] + 1  # the attempt Slurm's state belongs to
+    if ended_badly and attempts and attempts[-1].number < expected:
+        return (f"attempt {expected} (after {row['restarts']} requeue(s)) never started: Slurm ended the job "
+                f"{row['state']} (exit code {row['exit_code'] or '?'}"
+                f"{', reason ' + row['reason'] if row['reason'] else ''}) before its batch script ran; the "
+                f"stages below are attempt {attempts[-1].number}'s. Continue the arm with `runner qualify "
+                f"... --executor slurm --run-dir <this run> --resume`")
+    since = attempts[-1].started_at if attempts else ""
     for stage, found in evidence.items():
-        if found is None:
-            continue
+        if found is None or (found.finished_at or "") < since:
+            continue  # unreadable, or left by an earlier attempt
         if found.error is not None and found.status == "error":
             return f"{stage}: {found.error.kind}: {found.error.message}"
         failed = [g.name for g in found.gates if not g.passed]
         if found.status == "failed" and failed:
             return f"{stage}: failed gates {', '.join(failed)}"
-    if job_id and row["state"] in ("FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"):
-        log = arm_dir / "slurm" / f"job-{job_id}.out"
-        if log.is_file():
-            lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-            return " | ".join(lines[-3:]) or f"job {row['state']} with exit code {row['exit_code']}"
-        return f"job {row['state']} with exit code {row['exit_code']} (no log at {log})"
+    if ended_badly:
+        tail = " | ".join(last_lines[-3:])
+        what = f"attempt {attempts[-1].number}" if attempts else "the job"
+        return (f"{what} ended {row['state']} (exit code {row['exit_code'] or '?'}) before writing stage evidence"
+                + (f": {tail}" if tail else "; its log has no line after the attempt started"))
     return None
 
 

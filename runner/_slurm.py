@@ -237,10 +237,13 @@ def job_states(job_ids: list[str]) -> dict[str, JobState]:
     for flags in (["-c"], []) if missing else ():
         result = subprocess.run(["sacct", *flags, "-n", "-P", "-j", ",".join(missing), "-o", "JobID,State,ExitCode"],
                                 capture_output=True, text=True, check=False)
-        for line in result.stdout.splitlines():
+        found: dict[str, JobState] = {}
+        for line in result.stdout.splitlines():  # one record per attempt of a requeued job; the last one counts
             job_id, state, exit_code = (line.split("|") + ["", "", ""])[:3]
-            if job_id in missing and job_id not in states:
-                states[job_id] = JobState(job_id, state.split()[0], exit_code=exit_code)
+            if job_id in missing and state:
+                restarts = found[job_id].restarts + 1 if job_id in found else 0
+                found[job_id] = JobState(job_id, state.split()[0], exit_code=exit_code, restarts=restarts)
+        states.update({job_id: state for job_id, state in found.items() if job_id not in states})
     for job_id in job_ids:
         states.setdefault(job_id, JobState(job_id, "UNKNOWN", "Slurm no longer knows this job"))
     return states

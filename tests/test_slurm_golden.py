@@ -91,3 +91,40 @@ def test_the_gpu_plan_renders_one_gpu_apptainer_job_per_arm(tmp_path):
     assert "--engine apptainer" in script and "RUNNER_SIF_DIR=/shared/runner/sif" in script
     frozen = json.loads((tmp_path / "c" / "plan.json").read_text())
     assert frozen["budget"]["gpus"] == 1 and frozen["policy"]["path"] == str(checkpoint)
+
+
+def _row(state: str, restarts: int, exit_code: str = "1:0") -> dict:
+    return {"state": state, "restarts": restarts, "exit_code": exit_code, "reason": ""}
+
+
+def _interrupted_update(finished_at: str):
+    from runner_contracts import ErrorInfo, Evidence
+    return {"probe": Evidence(run_id="r", stack="trl", stage="probe", plan_id="p", status="passed", started_at="2026-12-01T07:51:00+00:00",
+                              finished_at="2026-12-01T07:52:00+00:00"),
+            "update": Evidence(run_id="r", stack="trl", stage="update", plan_id="p", status="error", started_at="2026-12-01T07:52:30+00:00",
+                               finished_at=finished_at, error=ErrorInfo(kind="interrupted", message="stopped"))}
+
+
+def test_status_tells_a_requeued_attempt_from_the_one_before(tmp_path):
+    """An arm's log holds one line per attempt (arm.sbatch prints it first); the job's final state belongs to
+    attempt restarts+1, and the evidence an earlier attempt left is not that attempt's error."""
+    from runner._executor import _first_error, read_attempts
+
+    log = tmp_path / "job-4.out"
+    log.write_text("runner: job 4 attempt 1 started on node1 at 2026-12-01T07:52:10+00:00\n"
+                   "slurmstepd-node1: error: *** JOB 4 ON node1 CANCELLED AT 2026-12-01T07:53:48 DUE TO JOB REQUEUE ***\n")
+    attempts, last = read_attempts(log)
+    assert [(a.number, a.host) for a in attempts] == [(1, "node1")] and "DUE TO JOB REQUEUE" in last[0]
+    never = _first_error(_interrupted_update("2026-12-01T07:53:48+00:00"), attempts, last, _row("FAILED", 1))
+    assert never.startswith("attempt 2 (after 1 requeue(s)) never started: Slurm ended the job FAILED (exit code 1:0")
+
+    log.write_text(log.read_text() + "runner: job 4 attempt 2 started on node1 at 2026-12-01T07:54:00+00:00\n"
+                   "error: run directory /r: holds plan abc, not def\n")
+    attempts, last = read_attempts(log)
+    silent = _first_error(_interrupted_update("2026-12-01T07:53:48+00:00"), attempts, last, _row("FAILED", 1, "2:0"))
+    assert silent == ("attempt 2 ended FAILED (exit code 2:0) before writing stage evidence: "
+                      "error: run directory /r: holds plan abc, not def")
+    # The same interruption written by the last attempt is its error.
+    own = _first_error(_interrupted_update("2026-12-01T07:55:00+00:00"), attempts, last, _row("CANCELLED", 1))
+    assert own == "update: interrupted: stopped"
+    assert _first_error(_interrupted_update("2026-12-01T07:53:48+00:00"), attempts, last, _row("COMPLETED", 1, "0:0")) is None
