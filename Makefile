@@ -11,10 +11,10 @@ STAMP   = $(VENV)/.installed
 .PHONY: demo test test-fast bench schema lint clean system-deps
 
 # Host environment: the runner CLI, contracts, tasks/gates, test tools (no torch, no upstream stacks).
-$(STAMP): pyproject.toml contracts/pyproject.toml qualification/pyproject.toml
+$(STAMP): pyproject.toml contracts/pyproject.toml qualification/pyproject.toml kit/pyproject.toml
 	$(MAKE) system-deps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e contracts -e qualification -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check -e contracts -e qualification -e kit -e '.[test]'
 	touch $(STAMP)
 
 # Debian packages: Python 3.11 with venv (host and stacks), Chromium (the HTML report test), Docker

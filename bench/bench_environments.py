@@ -26,8 +26,8 @@ def p50_ms(samples: list[float]) -> float | None:
 
 
 def main(episodes: int = 64, steps: int = 500) -> None:
-    from qualification.reference_backend import ReferenceBackend
-    from qualification.rollout import bench_backend
+    from runner_kit.reference_backend import ReferenceBackend
+    from runner_kit.rollout import bench_backend
     from runner._engine import LocalEngine
     from runner._plan import load_plan
     from runner._stacks import all_stacks

@@ -187,7 +187,7 @@ class LocalEngine:
         self.log = log
 
     def environment_key(self, manifest: StackManifest, python_version: str) -> str:
-        digest = hashlib.sha256(manifest.lock.read_bytes())
+        digest = hashlib.sha256(manifest.lock_bytes())
         digest.update("\0".join(manifest.pip_args).encode())
         digest.update(f"\0{python_version}\0{platform.machine()}\0{sys.platform}".encode())
         return digest.hexdigest()[:16]

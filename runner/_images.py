@@ -258,6 +258,7 @@ def context_inputs(manifest: StackManifest, base_tag: str, certs: list[Path], fl
         "certs": certs,
         "sources": {"contracts": local_packages()["runner-contracts"],
                     "qualification": local_packages()["runner-qualification"],
+                    "kit": local_packages()["runner-kit"],
                     "adapter": manifest.adapter_package},
         "buildargs": {
             "BASE": base_tag, "STACK": manifest.name, "UPSTREAM": manifest.upstream.name,
@@ -271,7 +272,7 @@ def image_tag(manifest: StackManifest, inputs: dict[str, Any]) -> str:
     """runner-<stack>[-gpu]:<hash of the definition, lock, build args, wheels, certificates and our sources>."""
     digest = hashlib.sha256()
     digest.update(inputs["definition"].read_bytes())
-    digest.update(manifest.lock.read_bytes())
+    digest.update(manifest.lock_bytes())
     digest.update(json.dumps(inputs["buildargs"], sort_keys=True).encode())
     for path in [*inputs["wheels"], *inputs["certs"]]:
         digest.update(path.name.encode() + b"\0" + cached_sha256(path).encode())

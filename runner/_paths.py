@@ -25,4 +25,5 @@ def local_packages() -> dict[str, Path]:
     return {
         "runner-contracts": PROJECT_ROOT / "contracts",
         "runner-qualification": PROJECT_ROOT / "qualification",
+        "runner-kit": PROJECT_ROOT / "kit",
     }

@@ -54,7 +54,15 @@ class StackManifest:
 
     @property
     def lock_sha256(self) -> str:
-        return hashlib.sha256(self.lock.read_bytes()).hexdigest()
+        return hashlib.sha256(self.lock_bytes()).hexdigest()
+
+    def lock_bytes(self) -> bytes:
+        """The lock's content; a stack folder without one yet is told how to make it."""
+        try:
+            return self.lock.read_bytes()
+        except FileNotFoundError:
+            raise UserError(f"{self.folder / 'stack.toml'}: field lock: {self.lock} does not exist; resolve it "
+                            f"with `runner pin --stack {self.name}{' --gpu' if self.variant == 'gpu' else ''}`") from None
 
     def for_gpu(self) -> StackManifest:
         """The stack with its GPU lock (a trainer in its own right there); itself when it has none."""
@@ -78,6 +86,7 @@ class StackManifest:
 
     def locked_packages(self) -> dict[str, str]:
         """name -> version from the lock (name normalised, local version label kept)."""
+        self.lock_bytes()
         return parse_lock(self.lock)
 
 
@@ -137,9 +146,7 @@ def load_manifest(path: Path) -> StackManifest:
         raise UserError(f"{path}: field kind: expected 'trainer' or 'environment', got {manifest.kind!r}")
     if manifest.is_environment and not manifest.trainer:
         raise UserError(f"{path}: field trainer: an environment stack must name the trainer stack that drives it")
-    if not manifest.lock.is_file():
-        raise UserError(f"{path}: field lock: {manifest.lock} does not exist")
-    return manifest
+    return manifest  # a missing lock is reported where it is read: `runner pin` writes the first one
 
 
 def _gpu_variant(path: Path, folder: Path, data: dict | None) -> GpuVariant | None:
@@ -148,10 +155,7 @@ def _gpu_variant(path: Path, folder: Path, data: dict | None) -> GpuVariant | No
     missing = [key for key in ("lock", "requirements") if key not in data]
     if missing:
         raise UserError(f"{path}: table [gpu] lacks field(s) {', '.join(missing)}; expected lock and requirements")
-    variant = GpuVariant(lock=folder / data["lock"], requirements=folder / data["requirements"])
-    if not variant.lock.is_file():
-        raise UserError(f"{path}: field gpu.lock: {variant.lock} does not exist")
-    return variant
+    return GpuVariant(lock=folder / data["lock"], requirements=folder / data["requirements"])
 
 
 def all_stacks() -> dict[str, StackManifest]:

@@ -102,6 +102,15 @@ def leftover_processes(run_dir: Path) -> list[str]:
     return found
 
 
+def gone(pid: int) -> bool:
+    """The process has ended (a zombie waiting for init to reap it has ended too)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
 def wait_until(predicate, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

@@ -8,14 +8,21 @@ import subprocess
 from pathlib import Path
 
 import msgspec
-
-from qualification._http import post_json
-from qualification.scripted_policy import ScriptedPolicyServer
 from qualification.tasks import FAMILIES, ToolCall, Transcript, get_family
+from runner_contracts import (
+    EpisodeSpec,
+    FaultSpec,
+    RolloutRequest,
+    RolloutResponse,
+    SamplingSpec,
+    StageRequest,
+)
+from runner_kit.http import post_json
+from runner_kit.scripted_policy import ScriptedPolicyServer
+
 from runner._engine import LocalEngine, StackEnvironment
 from runner._plan import load_plan
 from runner._stacks import all_stacks
-from runner_contracts import EpisodeSpec, FaultSpec, RolloutRequest, RolloutResponse, SamplingSpec, StageRequest
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
@@ -88,6 +95,42 @@ def assert_crash_mid_batch_loses_nothing(env: StackEnvironment, tmp_path: Path, 
         score = reference(family, item, msgspec.to_builtins(result))
         assert result.reward == score.reward and result.success is case["expected_success"]
     return response
+
+
+# Runs in the stack environment: each episode through the backend's run_episode, as the rollout service does.
+DRIVER = r"""
+import importlib, json, sys
+import msgspec
+from runner_contracts import EpisodeSpec, SamplingSpec
+from runner_kit.rollout import PolicyEndpoint
+
+args = json.loads(sys.stdin.read())
+module, _, name = args["backend"].partition(":")
+backend = getattr(importlib.import_module(module), name)()
+backend.start()
+try:
+    policy = PolicyEndpoint(base_url=args["base_url"], model="scripted-policy",
+                            sampling=msgspec.convert(args["sampling"], SamplingSpec))
+    for spec in args["episodes"]:
+        result = backend.run_episode(msgspec.convert(spec, EpisodeSpec), policy)
+        print(json.dumps(msgspec.to_builtins(result)), flush=True)
+finally:
+    backend.stop()
+"""
+
+
+def run_scripted_episodes(env: StackEnvironment, backend: str, episodes: list[EpisodeSpec],
+                          scripts: dict[str, list]) -> tuple[list[dict], list[dict]]:
+    """The episodes through `backend` ("module:Class") in the stack's environment against a scripted
+    policy: (results, the policy calls it received)."""
+    with ScriptedPolicyServer(scripts) as policy:
+        args = {"backend": backend, "base_url": policy.base_url, "sampling": msgspec.to_builtins(SAMPLING),
+                "episodes": [msgspec.to_builtins(e) for e in episodes]}
+        run = subprocess.run([str(env.python), "-c", DRIVER], input=json.dumps(args), capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-3000:]
+        calls = list(policy.calls)
+    return [json.loads(line) for line in run.stdout.splitlines()], calls
 
 
 def assert_scripted_results(results: list[dict], cases: dict[str, tuple], calls: list[dict], channel: str) -> None:

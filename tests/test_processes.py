@@ -6,17 +6,15 @@ host stops a service, and when the host itself is SIGKILLed."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import CALC_PLAN, leftover_processes, wait_until
+from conftest import CALC_PLAN, gone, leftover_processes, wait_until
 from runner._engine import run_process, scrubbed_env, start_process_service
 from runner._plan import load_plan
 from runner_contracts import StageRequest, write_record
@@ -76,14 +74,6 @@ def adapter(tmp_path, monkeypatch):
 
 def orphan_of(out_dir: Path) -> int:
     return int((out_dir / "orphan.pid").read_text())
-
-
-def gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")
 
 
 @pytest.mark.parametrize("options", [{}, {"crash": True}], ids=["returns", "crashes"])

@@ -10,14 +10,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
-from qualification._http import HttpError, get_json, post_json
-from qualification.continuity import chain_calls
 from qualification.gates import call_gates
-from qualification.policy_protocol import openai_tools, parse_tool_calls
-from qualification.reference_backend import ReferenceBackend
-from qualification.rollout import BatchRunner, PolicyEndpoint, RolloutService
-from qualification.scripted_policy import ScriptedPolicyServer
 from qualification.tasks import get_family
 from runner_contracts import (
     EpisodeSpec,
@@ -29,6 +22,12 @@ from runner_contracts import (
     Segment,
     Trajectory,
 )
+from runner_kit.continuity import chain_calls
+from runner_kit.http import HttpError, get_json, post_json
+from runner_kit.policy import openai_tools, parse_tool_calls
+from runner_kit.reference_backend import ReferenceBackend
+from runner_kit.rollout import BatchRunner, PolicyEndpoint, RolloutService
+from runner_kit.scripted_policy import ScriptedPolicyServer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,10 +169,11 @@ def test_call_audit_fails_on_unattributed_foreign_or_altered_tokens():
 
 
 def test_comparison_refuses_arms_of_different_plans(tmp_path):
+    from runner_contracts import freeze_plan, write_record
+
     from runner._compare import write_comparison
     from runner._errors import UserError
     from runner._plan import load_plan
-    from runner_contracts import freeze_plan, write_record
 
     plan = freeze_plan(load_plan(ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"))
     other = freeze_plan(msgspec.structs.replace(plan, name="other", plan_id=None))

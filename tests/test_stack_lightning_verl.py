@@ -17,6 +17,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from runner_contracts import CapturedCall, EpisodeSpec
+from runner_kit.continuity import chain_calls
+from runner_kit.scripted_policy import ScriptedPolicyServer
 from stack_checks import (
     PLAN,
     ROOT,
@@ -29,12 +32,9 @@ from stack_checks import (
     scripted_episodes,
 )
 
-from qualification.continuity import chain_calls
-from qualification.scripted_policy import ScriptedPolicyServer
 from runner._engine import LocalEngine
 from runner._plan import load_plan
 from runner._stacks import get_stack
-from runner_contracts import CapturedCall, EpisodeSpec
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_environment_has_agentlightning_and_verl_and_no_other_stack(env):
 
 DRIVER = r"""
 import json, sys
-from qualification.rollout import PolicyEndpoint
+from runner_kit.rollout import PolicyEndpoint
 from runner_contracts import EpisodeSpec, SamplingSpec
 import msgspec
 from runner_stack_lightning_verl.backend import LightningBackend
@@ -169,7 +169,7 @@ def test_gateway_capture_equals_the_policy_servers_log(env, tmp_path):
 HARNESS_KILL = r"""
 import json, sys, threading, time
 import msgspec
-from qualification.rollout import BatchRunner
+from runner_kit.rollout import BatchRunner
 from runner_contracts import EpisodeSpec, RolloutRequest, SamplingSpec
 from runner_stack_lightning_verl.backend import LightningBackend
 
@@ -349,9 +349,10 @@ def test_gpu_plan_routes_training_jobs_to_the_stacks_gpu_environment(env, tmp_pa
     (torch + vLLM, ~10 GB) is not installed here, so the CPU environment stands in for it: the probe's gpu:
     gates name the difference, and the update job fails saying what verl lacks. Nothing is faked below the
     engine: real environments, real adapter jobs."""
+    from runner_contracts import StageRequest, read_record
+
     from runner._policy import resolve_policy
     from runner._qualify import Arm, run_stage
-    from runner_contracts import StageRequest, read_record
 
     engine = LocalEngine()
     manifest = get_stack("lightning-verl")

@@ -13,6 +13,9 @@ import subprocess
 
 import msgspec
 import pytest
+from runner_contracts import StageRequest
+from runner_kit.policy import openai_tools
+from runner_kit.scripted_policy import ScriptedPolicyServer
 from stack_checks import (
     PLAN,
     SAMPLING,
@@ -23,12 +26,9 @@ from stack_checks import (
     scripted_episodes,
 )
 
-from qualification.policy_protocol import openai_tools
-from qualification.scripted_policy import ScriptedPolicyServer
 from runner._engine import LocalEngine
 from runner._plan import load_plan
 from runner._stacks import get_stack
-from runner_contracts import StageRequest
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def test_environment_has_nemo_gym_and_no_other_stack(env):
 
 DRIVER = r"""
 import json, sys
-from qualification.rollout import PolicyEndpoint
+from runner_kit.rollout import PolicyEndpoint
 from runner_contracts import EpisodeSpec, SamplingSpec
 import msgspec
 from runner_stack_nemo_gym.backend import NemoGymBackend

@@ -6,21 +6,16 @@ Slow: the first run builds the environment (~1 min; cached under RUNNER_CACHE_DI
 
 from __future__ import annotations
 
-import json
-import subprocess
-
-import msgspec
 import pytest
 from stack_checks import (
-    SAMPLING,
     assert_crash_mid_batch_loses_nothing,
     assert_only_its_own_upstream,
     assert_scripted_results,
     assert_service_stage,
+    run_scripted_episodes,
     scripted_episodes,
 )
 
-from qualification.scripted_policy import ScriptedPolicyServer
 from runner._engine import LocalEngine
 from runner._stacks import get_stack
 
@@ -36,37 +31,11 @@ def test_environment_has_openenv_and_no_other_stack(env):
     assert_only_its_own_upstream(env)
 
 
-DRIVER = r"""
-import json, sys
-from qualification.rollout import PolicyEndpoint
-from runner_contracts import EpisodeSpec, SamplingSpec
-import msgspec
-from runner_stack_openenv.backend import OpenEnvBackend
-
-args = json.loads(sys.stdin.read())
-backend = OpenEnvBackend()
-backend.start()
-try:
-    policy = PolicyEndpoint(base_url=args["base_url"], model="scripted-policy",
-                            sampling=msgspec.convert(args["sampling"], SamplingSpec))
-    for spec in args["episodes"]:
-        result = backend.run_episode(msgspec.convert(spec, EpisodeSpec), policy)
-        print(json.dumps(msgspec.to_builtins(result)), flush=True)
-finally:
-    backend.stop()
-"""
-
-
 def test_scripted_episodes_score_as_the_reference(env):
     episodes, cases = scripted_episodes()
-    with ScriptedPolicyServer({e: c[2]["turns"] for e, c in cases.items()}) as policy:
-        args = {"base_url": policy.base_url, "sampling": msgspec.to_builtins(SAMPLING),
-                "episodes": [msgspec.to_builtins(e) for e in episodes]}
-        run = subprocess.run([str(env.python), "-c", DRIVER], input=json.dumps(args), capture_output=True,
-                             text=True, timeout=120)
-        assert run.returncode == 0, run.stderr[-3000:]
-        calls = list(policy.calls)
-    assert_scripted_results([json.loads(line) for line in run.stdout.splitlines()], cases, calls, "header")
+    results, calls = run_scripted_episodes(env, "runner_stack_openenv.backend:OpenEnvBackend", episodes,
+                                           {e: c[2]["turns"] for e, c in cases.items()})
+    assert_scripted_results(results, cases, calls, "header")
 
 
 def test_service_stage_through_the_engine(env, tmp_path):

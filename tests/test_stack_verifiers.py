@@ -19,6 +19,10 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import CALC_PLAN, leftover_processes, wait_until
+from qualification.tasks import FAMILIES, get_family
+from runner_contracts import EpisodeSpec
+from runner_kit.policy import openai_tools
+from runner_kit.scripted_policy import ScriptedPolicyServer
 from stack_checks import (
     SAMPLING,
     assert_crash_mid_batch_loses_nothing,
@@ -27,12 +31,8 @@ from stack_checks import (
     reference,
 )
 
-from qualification.policy_protocol import openai_tools
-from qualification.scripted_policy import ScriptedPolicyServer
-from qualification.tasks import FAMILIES, get_family
 from runner._engine import LocalEngine, scrubbed_env
 from runner._stacks import get_stack
-from runner_contracts import EpisodeSpec
 
 pytestmark = pytest.mark.slow
 RUNNER = str(Path(sys.executable).parent / "runner")
@@ -86,7 +86,7 @@ DRIVER = r"""
 import json, sys
 import msgspec
 from runner_contracts import EpisodeSpec, RolloutRequest, SamplingSpec
-from qualification.rollout import BatchRunner
+from runner_kit.rollout import BatchRunner
 from runner_stack_verifiers.backend import VerifiersBackend
 
 args = json.loads(sys.stdin.read())
@@ -154,8 +154,8 @@ TOKEN_POLICY = r"""
 import json, sys, threading
 from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from qualification._http import JsonServer, Reply
-from qualification.policy_protocol import GENERATE_PATH, MODELS_PATH, models_body, require_episode, token_logprobs
+from runner_kit.http import JsonServer, Reply
+from runner_kit.policy import GENERATE_PATH, MODELS_PATH, models_body, require_episode, token_logprobs
 
 TEMPLATE = r'''{%- if tools %}{{- '<|im_start|>system\n' }}{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}{{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}{%- for tool in tools %}{{- "\n" }}{{- tool | tojson }}{%- endfor %}{{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}{%- else %}{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{%- endif %}{%- endif %}{%- for message in messages %}{%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}{%- elif message.role == "assistant" %}{{- '<|im_start|>' + message.role }}{%- if message.content %}{{- '\n' + message.content }}{%- endif %}{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}{{- '\n<tool_call>\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}{%- elif message.role == "tool" %}{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}{{- '\n<tool_response>\n' }}{{- message.content }}{{- '\n</tool_response>' }}{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\n' }}{%- endif %}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}'''
 
@@ -215,8 +215,8 @@ class TokenScriptedPolicy:
 TOKEN_DRIVER = TOKEN_POLICY + r"""
 import msgspec
 from runner_contracts import EpisodeSpec, RolloutRequest, SamplingSpec
-from qualification.policy_protocol import openai_tools
-from qualification.rollout import BatchRunner
+from runner_kit.policy import openai_tools
+from runner_kit.rollout import BatchRunner
 from qualification.tasks import FAMILIES, TaskItem, get_family
 from runner_stack_verifiers.backend import VerifiersBackend
 
@@ -291,7 +291,7 @@ HELPERS_DRIVER = r"""
 import json, os, signal, sys, time
 import msgspec
 from runner_contracts import EpisodeSpec, RolloutRequest, SamplingSpec
-from qualification.rollout import BatchRunner
+from runner_kit.rollout import BatchRunner
 from runner_stack_verifiers.backend import FORK_SERVER_MODULE, TOOL_SERVER_MODULE, VerifiersBackend, _cmdline, _tree
 
 args = json.loads(sys.stdin.read())

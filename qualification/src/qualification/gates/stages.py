@@ -21,7 +21,7 @@ def lock_gate(installed: dict[str, str], locked: dict[str, str]) -> GateResult:
             drift.append(f"{name}: locked {version}, not installed")
         elif have != version and have.split("+", 1)[0] != version:
             drift.append(f"{name}: locked {version}, installed {have}")
-    ignored = {"pip", "runner-contracts", "runner-qualification"}
+    ignored = {"pip", "runner-contracts", "runner-qualification", "runner-kit"}
     extra = sorted(name for name in installed if name not in locked and name not in ignored
                    and not name.startswith("runner-stack-"))
     drift += [f"{name}: installed {installed[name]}, not in the lock" for name in extra]

@@ -26,7 +26,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -36,9 +35,10 @@ import urllib.request
 import uuid
 from typing import Any
 
-from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend, ServerProcess
 from qualification.tasks import Score, TaskItem, ToolCall, Transcript, get_family
 from runner_contracts import CapturedCall, EpisodeResult, EpisodeSpec, ToolCallRecord
+from runner_kit.processes import ServerProcess, bind_loopback, spawn
+from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
 ATTEMPT = "0"  # agentlightning.schemas.DEFAULT_ATTEMPT_ID: a retry is a new rollout, as agl-controller runs them
 
@@ -68,15 +68,12 @@ class Gateway(ServerProcess):
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = bind_loopback()
         try:
-            sock.bind(("127.0.0.1", 0))
-            sock.listen(256)
             self.port = sock.getsockname()[1]
-            self.process = subprocess.Popen(
+            self.process = spawn(
                 [sys.executable, "-m", "runner_stack_lightning_verl.gateway", "--fd", str(sock.fileno()),
-                 "--parent-pid", str(os.getpid()), "--key", self.key, "--model", self.model,
-                 "--temperature", repr(float(self.temperature))],
+                 "--key", self.key, "--model", self.model, "--temperature", repr(float(self.temperature))],
                 pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
                 env={**os.environ, "HYDRA_FULL_ERROR": "1"})
         finally:

@@ -1,7 +1,7 @@
 """The agl-server process: Agent Lightning 1.0.2's gateway + in-memory store (its `create_app` with its own
 Hydra `server` config) under uvicorn on a listening socket it inherits.
 
-    python -m runner_stack_lightning_verl.gateway --fd N --parent-pid P --key K --model M --temperature T
+    python -m runner_stack_lightning_verl.gateway --fd N --key K --model M --temperature T
 
 Differences from the `agl-server` console script (which is `create_app(config)` + `uvicorn.run(host, port)`):
 - the socket is bound by the parent on 127.0.0.1 and passed in (the script's default host is 0.0.0.0);
@@ -16,25 +16,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
-import threading
-import time
 import urllib.parse
 
 from .verl_launch import hydra_string
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exits when the adapter that started us is gone (the gateway is restarted from episode threads, so
-    PR_SET_PDEATHSIG, which fires when the parent *thread* exits, would not do)."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def episode_router_class():
@@ -60,9 +46,8 @@ def episode_router_class():
 
 def build_app(*, key: str, model: str, temperature: float):
     """agl-server's FastAPI app from its packaged Hydra config `server.yaml`, with our overrides."""
-    from hydra import compose, initialize_config_module
-
     import agentlightning.server.app as app_module
+    from hydra import compose, initialize_config_module
 
     with initialize_config_module(config_module="agentlightning.config", version_base=None):
         config = compose(config_name="server", overrides=[
@@ -79,12 +64,10 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fd", type=int, required=True, help="an inherited socket bound to 127.0.0.1")
-    parser.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
     parser.add_argument("--key", required=True, help="the store and gateway API key (bearer)")
     parser.add_argument("--model", required=True, help="the model name the gateway forwards to")
     parser.add_argument("--temperature", type=float, required=True, help="sampling temperature it forwards")
     args = parser.parse_args(argv)
-    _exit_with_parent(args.parent_pid)
     # agentlightning logs through structlog's default (stdout, debug level: a line per proxied call).
     import structlog
 

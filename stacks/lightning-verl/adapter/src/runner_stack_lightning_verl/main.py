@@ -3,8 +3,8 @@ on GPU plans the update and train stages with verl's trainer (verl_stage)."""
 
 from __future__ import annotations
 
-from qualification.rollout import adapter_main
 from runner_contracts import StageRequest, StageResult
+from runner_kit.rollout import adapter_main
 
 from .backend import LightningBackend
 

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from qualification.rollout import EnvironmentDown
+from runner_kit.rollout import EnvironmentDown
 
 from .backend import Gateway, LightningBackend
 

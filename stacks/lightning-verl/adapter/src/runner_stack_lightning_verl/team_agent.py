@@ -18,9 +18,8 @@ import sys
 from typing import Any
 
 from openai import OpenAI
-
-from qualification.policy_protocol import openai_tools
 from qualification.tasks import TaskItem, get_family
+from runner_kit.policy import openai_tools
 
 
 def _arguments(raw: str | None) -> dict[str, Any]:

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from qualification.continuity import chain_calls, mask_runs
 from runner_contracts import (
     COMPLETE_MARKER,
     CapturedCall,
@@ -39,6 +38,7 @@ from runner_contracts import (
     sha256_file,
     write_atomic,
 )
+from runner_kit.continuity import chain_calls, mask_runs
 
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")

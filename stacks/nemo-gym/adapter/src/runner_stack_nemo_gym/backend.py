@@ -17,11 +17,9 @@ host:port from that dict.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import http.client
 import json
 import os
-import queue
 import shutil
 import signal
 import socket
@@ -31,26 +29,19 @@ import tempfile
 import threading
 import time
 import uuid
-from concurrent.futures import Future
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qualification.policy_protocol import openai_tools
-from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 from qualification.tasks import TaskItem, get_family
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
+from runner_kit.policy import openai_tools
+from runner_kit.processes import HOST, free_port, spawn
+from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
-HOST = "127.0.0.1"
 READY_TIMEOUT_S = 90.0
 EPISODE_TIMEOUT_S = 900.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
 
 
 def responses_tools(family_name: str) -> list[dict[str, Any]]:
@@ -58,33 +49,6 @@ def responses_tools(family_name: str) -> list[dict[str, Any]]:
     vllm_model converts them back to exactly that chat form (`strict` is required by the Responses schema;
     None is dropped in the conversion)."""
     return [{"type": "function", **tool["function"], "strict": None} for tool in openai_tools(get_family(family_name))]
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class _Spawner:
-    """Starts child processes from one long-lived thread: PR_SET_PDEATHSIG fires when the *thread* that
-    forked a child ends, and episodes start servers lazily from short-lived worker threads."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue = queue.Queue()
-        threading.Thread(target=self._loop, name="nemo-gym-spawner", daemon=True).start()
-
-    def _loop(self) -> None:
-        while True:
-            future, args, kwargs = self._jobs.get()
-            try:
-                future.set_result(subprocess.Popen(*args, preexec_fn=_die_with_parent, **kwargs))
-            except BaseException as error:  # noqa: BLE001 - handed to the caller
-                future.set_exception(error)
-
-    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:
-        future: Future = Future()
-        self._jobs.put((future, args, kwargs))
-        return future.result()
 
 
 @dataclass
@@ -122,7 +86,6 @@ class NemoGymBackend(RolloutBackend):
         self._lock = threading.RLock()  # the server table
         self._start_locks: dict[str, threading.Lock] = {}
         self._servers: dict[str, Server] = {}
-        self._spawner: _Spawner | None = None
         self._workdir: Path | None = None
         self._head_port = 0
 
@@ -135,7 +98,6 @@ class NemoGymBackend(RolloutBackend):
         with self._lock:
             if self._workdir is None:
                 self._workdir = Path(tempfile.mkdtemp(prefix="nemo-gym-"))
-                self._spawner = _Spawner()
                 # ServerClient validates a head-server entry; nothing listens there (no head server runs).
                 self._head_port = free_port()
         self._bring_up([self._resources_server(family) for family in self.families])
@@ -216,7 +178,7 @@ class NemoGymBackend(RolloutBackend):
 
     def _spawn(self, server: Server) -> None:
         """Starts `server` in its own process: NeMo Gym's run_webserver() with the injected global config."""
-        if self._workdir is None or self._spawner is None:
+        if self._workdir is None:
             raise RuntimeError("start() was not called")
         peers = [server]
         if server.kind == "agent":
@@ -226,9 +188,8 @@ class NemoGymBackend(RolloutBackend):
         env["NEMO_GYM_CONFIG_DICT"] = json.dumps(self._config_for(*peers))
         env["NEMO_GYM_CONFIG_PATH"] = server.name
         with open(self._workdir / f"{server.name}.log", "ab") as log:
-            process = self._spawner.popen([sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind],
-                                          cwd=self._workdir, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT)
+            process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind],
+                            cwd=self._workdir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         with self._lock:
             server.process = process
             server.generation += 1

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from qualification.rollout import adapter_main
 from runner_contracts import StageRequest, StageResult
+from runner_kit.rollout import adapter_main
 
 from .backend import NemoGymBackend
 

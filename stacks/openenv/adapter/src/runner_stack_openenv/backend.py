@@ -10,21 +10,18 @@ under uvicorn in a subprocess we start, on a 127.0.0.1 socket we bind.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Any
 
-from qualification.policy_protocol import openai_tools
-from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend, ServerProcess
 from qualification.tasks import TaskItem, get_family
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
+from runner_kit.policy import openai_tools, tool_call_arguments
+from runner_kit.processes import ServerProcess, bind_loopback, spawn
+from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
 # Imported lazily by _env_client(): importing openenv.core pulls in gradio (~1.4 s), and probe needs none of it.
 _CLIENT: Any = None
@@ -63,33 +60,19 @@ class EnvServer(ServerProcess):
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        sock = self._bind()
+        sock = bind_loopback(self.port)  # the previous port when it is free again
+        self.port = sock.getsockname()[1]
         try:
             env = {**os.environ, "ENABLE_WEB_INTERFACE": "false"}  # create_app would otherwise mount gradio at /web
-            self.process = subprocess.Popen(
+            self.process = spawn(
                 [sys.executable, "-m", "runner_stack_openenv.server", "--fd", str(sock.fileno()),
-                 "--parent-pid", str(os.getpid()), "--max-sessions", str(self.max_sessions)],
-                pass_fds=(sock.fileno(),), env=env, stdin=subprocess.DEVNULL)
+                 "--max-sessions", str(self.max_sessions)], pass_fds=(sock.fileno(),), env=env,
+                stdin=subprocess.DEVNULL)
         finally:
             # The child holds the only listening copy: once it dies, connections are refused, not queued.
             sock.close()
         self.starts += 1
         self.wait_ready()
-
-    def _bind(self) -> socket.socket:
-        """A listening socket on 127.0.0.1: the previous port when it is free again, else a new free one."""
-        for port in ([self.port] if self.port else []) + [0]:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                sock.close()
-                continue
-            sock.listen(256)
-            self.port = sock.getsockname()[1]
-            return sock
-        raise OSError("no free port on 127.0.0.1")
 
 
 class OpenEnvBackend(RolloutBackend):
@@ -187,7 +170,7 @@ class OpenEnvBackend(RolloutBackend):
             on_env("reset", lambda: env.reset(episode_id=episode.episode_id, item=episode.item, seed=episode.seed))
             turns, finish, final = 0, "", None
             while turns < episode.max_turns:
-                message, finish = self._chat(policy, episode, messages, tools)
+                message, finish = policy.chat(episode.episode_id, messages, tools, timeout_s=self.policy_timeout_s)
                 turns += 1
                 last_text = message.get("content") or ""
                 calls = message.get("tool_calls") or []
@@ -197,7 +180,7 @@ class OpenEnvBackend(RolloutBackend):
                     break
                 messages.append({"role": "assistant", "content": last_text, "tool_calls": calls})
                 for call in calls:
-                    name, arguments = _function(call)
+                    name, arguments = tool_call_arguments(call)
                     result = on_env("step", lambda: env.step(TaskAction(kind="tool", name=name, arguments=arguments)))
                     messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name,
                                      "content": result.observation.text})
@@ -218,42 +201,3 @@ class OpenEnvBackend(RolloutBackend):
                         for c in state.tool_calls],
             seconds=round(time.monotonic() - started, 3),
         )
-
-    def _chat(self, policy: PolicyEndpoint, episode: EpisodeSpec, messages: list[dict[str, Any]],
-              tools: list[dict[str, Any]]) -> tuple[dict[str, Any], str]:
-        """One model call: (choices[0].message, finish_reason)."""
-        sampling = policy.sampling
-        body: dict[str, Any] = {
-            "model": policy.model, "messages": messages, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "top_k": sampling.top_k, "max_tokens": sampling.max_new_tokens, "stream": False,
-        }
-        if tools:
-            body["tools"] = tools
-        request = urllib.request.Request(
-            policy.base_url.rstrip("/") + "/chat/completions", data=json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json", **policy.headers(episode.episode_id)})
-        try:
-            with urllib.request.urlopen(request, timeout=self.policy_timeout_s) as response:
-                reply = json.loads(response.read())
-        except urllib.error.HTTPError as error:
-            raise RuntimeError(f"policy server answered {error.code}: "
-                               f"{error.read().decode(errors='replace')[:500]}") from None
-        except OSError as error:  # the policy is not the environment: no retry
-            raise RuntimeError(f"policy server unreachable: {error}") from None
-        choice = reply["choices"][0]
-        return choice["message"], choice.get("finish_reason") or ""
-
-
-def _function(call: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(name, arguments) of an OpenAI tool call; arguments that are not a JSON object reach the tool as {}
-    (as in the reference backend), so the environment answers with the tool's own error and the call stays
-    on record for the scorer's replay."""
-    function = call.get("function") or {}
-    raw = function.get("arguments")
-    if isinstance(raw, dict):
-        return function.get("name", ""), raw
-    try:
-        parsed = json.loads(raw or "{}")
-    except (TypeError, ValueError):
-        parsed = None
-    return function.get("name", ""), parsed if isinstance(parsed, dict) else {}

@@ -3,16 +3,13 @@
 The parent binds the socket on 127.0.0.1 (never 0.0.0.0, which OpenEnv's server template uses) and passes
 its file descriptor, so the child cannot listen anywhere else and the port is known before it starts.
 
-    python -m runner_stack_openenv.server --fd N --parent-pid P [--max-sessions 256]
+    python -m runner_stack_openenv.server --fd N [--max-sessions 256]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
-import threading
-import time
 
 from openenv.core.env_server.http_server import create_app
 
@@ -26,26 +23,13 @@ def build_app(max_sessions: int = 256):
                       max_concurrent_envs=max_sessions, state_cls=TaskState)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
-    """Exits when the adapter that started us is gone. PR_SET_PDEATHSIG cannot do this: it fires when the
-    parent *thread* exits, and the server is restarted from short-lived episode threads."""
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
-
-
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fd", type=int, required=True, help="an inherited socket bound to 127.0.0.1")
-    parser.add_argument("--parent-pid", type=int, required=True, help="exit when this process is gone")
     parser.add_argument("--max-sessions", type=int, default=256)
     args = parser.parse_args(argv)
-    _exit_with_parent(args.parent_pid)
     sock = socket.socket(fileno=args.fd)
     host = sock.getsockname()[0]
     if host != "127.0.0.1":

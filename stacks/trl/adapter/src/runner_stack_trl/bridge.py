@@ -4,7 +4,7 @@ run natively in another stack's rollout service, which calls this process's poli
 Per generation batch: the rollout function sends the batch's episodes to POST {service}/rollouts, the
 service runs them through its upstream and calls the policy server (which samples with the trainer's
 current weights and logs every call), then each episode's calls become one training row by exact prefix
-continuity (qualification.continuity). Rewards are the environment stack's own scores.
+continuity (runner_kit.continuity). Rewards are the environment stack's own scores.
 """
 
 from __future__ import annotations
@@ -14,9 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
-from qualification._http import post_json
-from qualification.continuity import chain_calls
 from qualification.tasks import Score, TaskItem
 from runner_contracts import (
     EpisodeResult,
@@ -30,6 +27,8 @@ from runner_contracts import (
     StageRequest,
     StageResult,
 )
+from runner_kit.continuity import chain_calls
+from runner_kit.http import post_json
 
 from .grpo import Recorder, get_item_id, task_rows, training_metrics
 from .policy_server import PolicyServer

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from qualification.continuity import mask_runs
 from qualification.tasks import get_family
 from runner_contracts import (
     JsonlWriter,
@@ -25,10 +24,12 @@ from runner_contracts import (
     Trajectory,
     sha256_file,
 )
+from runner_kit.continuity import mask_runs
 
 from .checkpoints import completion_marker
 from .environment import environment_class
 from .policy import deterministic_torch, prompt_messages, trainer_device_args
+
 
 def task_rows(family_name: str, split: str, n: int, seed: int) -> list[dict[str, Any]]:
     family = get_family(family_name)

@@ -27,7 +27,9 @@ CAPABILITIES = ["grpo", "sft", "multi-turn-tools", "resume", "cpu", "token-captu
 
 def run(request: StageRequest) -> StageResult:
     if request.options.get("rollout_service") and request.stage in ("rollout", "update", "train", "evaluate"):
-        from . import bridge  # an environment-stack arm: episodes run in that stack's rollout service
+        from . import (
+            bridge,  # an environment-stack arm: episodes run in that stack's rollout service
+        )
 
         handlers = {"rollout": bridge.rollout, "update": bridge.train, "train": bridge.train,
                     "evaluate": bridge.evaluate}
@@ -48,8 +50,7 @@ def run(request: StageRequest) -> StageResult:
 
 def probe(request: StageRequest) -> StageResult:
     import torch
-
-    from qualification.rollout import environment_info, reachability
+    from runner_kit.rollout import environment_info, reachability
 
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return StageResult(stage="probe", environment=environment_info("trl", gpus), capabilities=CAPABILITIES,

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qualification._http import Call, HttpError, JsonServer, Reply
-from qualification.policy_protocol import (
+from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec
+from runner_kit.http import Call, HttpError, JsonServer, Reply
+from runner_kit.policy import (
     CHAT_PATH,
     GENERATE_PATH,
     MODELS_PATH,
@@ -36,7 +37,6 @@ from qualification.policy_protocol import (
     stream_chunks,
     token_logprobs,
 )
-from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec
 
 
 def call_seed(base_seed: int, episode_id: str, index: int) -> int:

@@ -26,10 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner_contracts import EpisodeResult, EpisodeSpec, ErrorInfo, ToolCallRecord
-
-from qualification.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 from qualification.tasks import TaskItem
+from runner_contracts import EpisodeResult, EpisodeSpec, ErrorInfo, ToolCallRecord
+from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
 READY_TIMEOUT_S = 180.0
 POLL_S = 0.2

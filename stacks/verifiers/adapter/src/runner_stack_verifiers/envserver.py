@@ -11,14 +11,14 @@ tool server (runner_stack_verifiers.toolset, shared by all rollouts) and the cha
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from runner_kit.processes import die_with_parent
 
 TASKSET_ID = "runner_stack_verifiers"
 
@@ -74,20 +74,13 @@ def start_prefork(directory: Path, script: Path) -> tuple[subprocess.Popen, Path
     return process, launcher
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv: list[str]) -> int:
     from verifiers.v1.serve.pool import _arm_teardown
     from verifiers.v1.serve.server import EnvServer
 
     ready = Path(argv[0])
     max_concurrent = int(argv[1]) if len(argv) > 1 else None
-    _die_with_parent()
+    die_with_parent()
     _arm_teardown()  # SIGTERM -> KeyboardInterrupt, so serving() tears down the rollouts' subprocesses
     logging.basicConfig(level=os.environ.get("RUNNER_VF_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qualification.rollout import adapter_main
+from runner_kit.rollout import adapter_main
 
 
 def run(request):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import array
 import atexit
-import ctypes
 import json
 import logging
 import os
@@ -28,6 +27,8 @@ import sys
 import traceback
 import types
 from pathlib import Path
+
+from runner_kit.processes import die_with_parent
 
 log = logging.getLogger("runner_stack_verifiers.prefork")
 
@@ -78,13 +79,6 @@ def write_launcher(directory: Path, socket_path: str, python: str = sys.executab
     launcher.write_text(LAUNCHER.format(python=python, socket=socket_path))
     launcher.chmod(0o755)
     return launcher
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def _warm(script: str) -> types.CodeType:
@@ -140,7 +134,7 @@ def _child(request: dict, fds: list[int], code: types.CodeType, script: str, lau
     status = 1
     try:
         os.setsid()
-        _die_with_parent()
+        die_with_parent()
         for number, fd in enumerate(fds):
             os.dup2(fd, number)
             os.close(fd)
@@ -190,7 +184,7 @@ def _child(request: dict, fds: list[int], code: types.CodeType, script: str, lau
 
 
 def serve(socket_path: str, script: str) -> None:
-    _die_with_parent()
+    die_with_parent()
     launcher_bin = str(Path(socket_path).parent / "bin")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)

@@ -15,11 +15,15 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from renderers.base import ParsedResponse, ParsedToolCall, RenderedTokens, ToolCallParseStatus
+from renderers.base import (
+    ParsedResponse,
+    ParsedToolCall,
+    RenderedTokens,
+    ToolCallParseStatus,
+)
 from renderers.configs import BaseRendererConfig, DefaultRendererConfig
 from renderers.default import DefaultRenderer
-
-from qualification.policy_protocol import canonical_messages, canonical_tools, parse_tool_calls
+from runner_kit.policy import canonical_messages, canonical_tools, parse_tool_calls
 
 IMPORT_PATH = "runner_stack_verifiers.renderer.PolicyTemplateRenderer"
 

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import verifiers.v1 as vf
 from pydantic import Field
-
-from qualification.policy_protocol import openai_tools
 from qualification.tasks import FAMILIES, TaskItem, get_family
+from runner_kit.policy import openai_tools
 
 if TYPE_CHECKING:
     from mcp.server.mcpserver import MCPServer

@@ -17,22 +17,21 @@ up to max_attempts, then reported as failed; none is dropped. See docs/rollout-s
 
 from __future__ import annotations
 
+import http.client
 import importlib.metadata
 import os
 import platform
 import signal
-import subprocess
 import threading
 import time
 import urllib.parse
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
-
+from qualification.tasks import get_family
 from runner_contracts import (
     EnvironmentInfo,
     EpisodeResult,
@@ -50,16 +49,29 @@ from runner_contracts import (
     write_atomic,
 )
 
-from ._http import Call, HttpError, JsonServer, Reply
-from .policy_protocol import EPISODE_HEADER, attempt_id
+from .http import Call, HttpError, JsonServer, Reply, post_json
+from .policy import EPISODE_HEADER, attempt_id
 from .scripted_policy import ScriptedPolicyServer
-from .tasks import get_family
 
 SERVICE_FILE = "service.json"
 
 
 class EnvironmentDown(Exception):
     """The upstream environment server is unreachable or died during an episode (retryable)."""
+
+
+def post_to_environment(url: str, body: Any, *, timeout: float = 30.0) -> Any:
+    """POST JSON to an environment server the adapter runs. Any transport failure (a refused connection, a
+    reply cut off by a dying server) and a 404 (a restarted server has lost the episode) raise
+    EnvironmentDown; other HTTP errors raise HttpError."""
+    try:
+        return post_json(url, body, timeout=timeout)
+    except (OSError, http.client.HTTPException) as error:
+        raise EnvironmentDown(f"{url} unreachable: {type(error).__name__}: {error}") from None
+    except HttpError as error:
+        if error.status == 404:
+            raise EnvironmentDown(str(error)) from None
+        raise
 
 
 @dataclass(frozen=True)
@@ -74,61 +86,31 @@ class PolicyEndpoint:
     def headers(self, episode_id: str) -> dict[str, str]:
         return {EPISODE_HEADER: episode_id}
 
+    def chat(self, episode_id: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+             timeout_s: float = 300.0) -> tuple[dict[str, Any], str]:
+        """One /chat/completions call under the episode's header: (choices[0].message, finish_reason).
+        Failures raise RuntimeError: the policy is not the environment, so they are never retried."""
+        sampling = self.sampling
+        body: dict[str, Any] = {
+            "model": self.model, "messages": messages, "temperature": sampling.temperature, "top_p": sampling.top_p,
+            "top_k": sampling.top_k, "max_tokens": sampling.max_new_tokens, "stream": False,
+        }
+        if tools:
+            body["tools"] = tools
+        try:
+            reply = post_json(self.base_url.rstrip("/") + "/chat/completions", body,
+                              headers=self.headers(episode_id), timeout=timeout_s)
+        except HttpError as error:
+            raise RuntimeError(f"policy server answered {error.status}: {str(error)[:500]}") from None
+        except OSError as error:
+            raise RuntimeError(f"policy server unreachable: {error}") from None
+        choice = reply["choices"][0]
+        return choice["message"], choice.get("finish_reason") or ""
+
     def episode_base_url(self, episode_id: str) -> str:
         """A base URL that names the episode in its path, for clients that cannot add headers."""
         root = self.base_url.removesuffix("/").removesuffix("/v1")
         return f"{root}/episodes/{urllib.parse.quote(episode_id, safe='')}/v1"
-
-
-class ServerProcess:
-    """An upstream server an adapter started as a subprocess: health, readiness, SIGKILL, stop.
-    Subclasses set `name`, `health_path`, `url` and start `process` themselves."""
-
-    name = "server"
-    health_path = "/health"
-    process: subprocess.Popen | None = None
-    ready_timeout_s: float = 60.0
-
-    @property
-    def url(self) -> str:
-        raise NotImplementedError
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(self.url + self.health_path, timeout=2) as response:
-                return response.status == 200
-        except (OSError, ValueError):
-            return False
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_timeout_s
-        while not self.healthy():
-            if not self.alive():
-                code = self.process.returncode if self.process is not None else None
-                raise RuntimeError(f"{self.name} exited with {code} before it was ready")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"{self.name} on {self.url} not healthy after {self.ready_timeout_s:.0f} s")
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        """SIGKILL (the process is ours: we started it)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        if self.process is not None:
-            self.process.wait()
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self.process = None
 
 
 class RolloutBackend:

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from ._http import Call, HttpError
+from .http import Call, HttpError
 
 EPISODE_PREFIX = r"(?:/episodes/(?P<episode>[^/]+))?"
 CHAT_PATH = EPISODE_PREFIX + r"/v1/chat/completions"
@@ -101,6 +101,20 @@ def chat_completion(*, model: str, content: str | None, tool_calls: list[dict[st
         choice["token_ids"] = completion_ids
         body["prompt_token_ids"] = prompt_ids
     return body
+
+
+def tool_call_arguments(call: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(name, arguments) of an OpenAI tool call. Arguments that are not a JSON object reach the tool as {},
+    so the environment answers with the tool's own error and the call stays on record for the scorer."""
+    function = call.get("function") or {}
+    raw = function.get("arguments")
+    if isinstance(raw, dict):
+        return function.get("name", ""), raw
+    try:
+        parsed = json.loads(raw or "{}")
+    except (TypeError, ValueError):
+        parsed = None
+    return function.get("name", ""), parsed if isinstance(parsed, dict) else {}
 
 
 def token_logprobs(ids: list[int], logprobs: list[float]) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,9 +43,10 @@ Route = tuple[str, str, Callable[[Call], Reply]]
 
 
 class JsonServer:
-    """Serves `routes` on 127.0.0.1 (port 0 = a free one) in a daemon thread; `url` is the base URL."""
+    """Serves `routes` on 127.0.0.1 (port 0 = a free one, or on `sock`, a listening socket bound there, e.g. one
+    inherited from the parent) in a daemon thread; `url` is the base URL."""
 
-    def __init__(self, routes: list[Route], port: int = 0):
+    def __init__(self, routes: list[Route], port: int = 0, sock: socket.socket | None = None):
         compiled = [(method, re.compile(pattern + r"\Z"), handler) for method, pattern, handler in routes]
 
         class Handler(BaseHTTPRequestHandler):
@@ -108,7 +110,14 @@ class JsonServer:
             daemon_threads = True
             allow_reuse_address = False
 
-        self._server = Server(("127.0.0.1", port), Handler)
+        if sock is None:
+            self._server = Server(("127.0.0.1", port), Handler)
+        else:
+            if sock.getsockname()[0] != "127.0.0.1":
+                raise ValueError(f"refusing to serve on {sock.getsockname()[0]}: the socket must be bound to 127.0.0.1")
+            self._server = Server(sock.getsockname(), Handler, bind_and_activate=False)
+            self._server.socket.close()
+            self._server.socket = sock
         self._thread: threading.Thread | None = None
 
     @property

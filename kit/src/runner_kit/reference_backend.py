@@ -7,18 +7,15 @@ scaffold, policy server and trainer bridge are tested against, and the smallest 
 
 from __future__ import annotations
 
-import http.client
-import json
 import threading
-import urllib.error
 from typing import Any
 
+from qualification.tasks import TaskItem, ToolCall, Transcript, get_family
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 
-from ._http import Call, HttpError, JsonServer, Reply, post_json
-from .policy_protocol import openai_tools
-from .rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
-from .tasks import TaskItem, ToolCall, Transcript, get_family
+from .http import Call, HttpError, JsonServer, Reply
+from .policy import openai_tools, tool_call_arguments
+from .rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend, post_to_environment
 
 
 class _TaskServer:
@@ -66,7 +63,7 @@ class _TaskServer:
 
 class ReferenceBackend(RolloutBackend):
     stack = "reference"
-    upstream_name = "runner-qualification"
+    upstream_name = "runner-kit"
     capabilities = ["multi-turn-tools", "fault-injection"]
     episode_id_channel = "header X-Episode-ID"
 
@@ -97,15 +94,7 @@ class ReferenceBackend(RolloutBackend):
         server = self.task_server
         if server is None:
             raise EnvironmentDown("the task server is not running")
-        try:
-            return post_json(server.server.url + path, body, timeout=30)
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
-            # Any transport failure, including a reply cut off by the server's shutdown, is the server's.
-            raise EnvironmentDown(f"task server unreachable: {type(error).__name__}: {error}") from None
-        except HttpError as error:
-            if error.status == 404:  # a restarted server has lost the episode's state
-                raise EnvironmentDown(str(error)) from None
-            raise
+        return post_to_environment(server.server.url + path, body)
 
     def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
         item = TaskItem.from_json(episode.item)
@@ -115,24 +104,14 @@ class ReferenceBackend(RolloutBackend):
                                           {"role": "user", "content": item.question}]
         final_text, finish, turns = "", "stop", 0
         for turns in range(1, episode.max_turns + 1):
-            reply = post_json(f"{policy.base_url}/chat/completions", {
-                "model": policy.model, "messages": messages, "tools": tools or None,
-                "temperature": policy.sampling.temperature, "top_p": policy.sampling.top_p,
-                "max_tokens": policy.sampling.max_new_tokens,
-            }, headers=policy.headers(episode.episode_id))
-            choice = reply["choices"][0]
-            message, finish = choice["message"], choice["finish_reason"]
+            message, finish = policy.chat(episode.episode_id, messages, tools)
             messages.append({k: v for k, v in message.items() if k in ("role", "content", "tool_calls")})
             if not message.get("tool_calls"):
                 final_text = message.get("content") or ""
                 break
             for tool_call in message["tool_calls"]:
-                function = tool_call["function"]
-                try:
-                    arguments = json.loads(function["arguments"] or "{}")
-                except json.JSONDecodeError:
-                    arguments = {}
-                result = self._env("/tool", {"episode_id": episode.episode_id, "name": function["name"],
+                name, arguments = tool_call_arguments(tool_call)
+                result = self._env("/tool", {"episode_id": episode.episode_id, "name": name,
                                              "arguments": arguments})["result"]
                 messages.append({"role": "tool", "tool_call_id": tool_call["id"], "content": result})
         else:
@@ -147,7 +126,7 @@ class ReferenceBackend(RolloutBackend):
 
 
 def run(request):
-    """Adapter entry (`qualification.reference_backend:run`) for test stacks built on the reference backend."""
+    """Adapter entry (`runner_kit.reference_backend:run`) for test stacks built on the reference backend."""
     from .rollout import adapter_main
 
     return adapter_main(ReferenceBackend(), request)

@@ -13,8 +13,8 @@ import json
 import threading
 from typing import Any
 
-from ._http import Call, HttpError, JsonServer, Reply
-from .policy_protocol import (
+from .http import Call, HttpError, JsonServer, Reply
+from .policy import (
     CHAT_PATH,
     GENERATE_PATH,
     MODELS_PATH,

@@ -1,0 +1,134 @@
+"""The skyrl-gym rollout backend: SkyRLGymGenerator's agent loop over our SkyRL Gym env, the policy over HTTP.
+
+Per episode, in the generator's order (skyrl/train/generators/skyrl_gym_generator.py, skyrl 0.3.0): one env
+from `skyrl_gym.make(ENV_ID, env_config=..., extras=...)`, `init(prompt)`, then per turn a model call to the
+policy's /v1/chat/completions with header X-Episode-ID and `env.step(<the turn as text>)` until the env says
+done; the step's observations follow the assistant turn in the conversation, as the generator appends them.
+
+Deviations (stack.toml): the envs live in a worker process (worker.py) so that a crash is real; the policy
+server answers OpenAI messages, so the env steps on the turn rebuilt as Hermes text, and the conversation
+keeps the assistant message as the server returned it (the server's prefix continuity needs that).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from qualification.tasks import TaskItem, get_family
+from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
+from runner_kit.policy import tool_call_arguments
+from runner_kit.processes import ServerProcess, bind_loopback, spawn
+from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend, post_to_environment
+
+
+class EnvWorker(ServerProcess):
+    """worker.py as a subprocess, on a socket bound here to 127.0.0.1."""
+
+    name = "skyrl-gym env worker"
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.port = 0
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        sock = bind_loopback(self.port)
+        self.port = sock.getsockname()[1]
+        try:
+            self.process = spawn([sys.executable, "-m", "runner_stack_skyrl_gym.worker", "--fd", str(sock.fileno())],
+                                 pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            sock.close()  # the child holds the only listening copy: once it dies, connections are refused
+        self.starts += 1
+        self.wait_ready()
+
+
+class SkyRLGymBackend(RolloutBackend):
+    stack = "skyrl-gym"
+    upstream_name = "skyrl-gym"
+    capabilities = ["multi-turn-tools", "stateful-tools", "concurrent-episodes", "environment-restart", "cpu",
+                    "token-capture:policy-server", "episode-id:header"]
+    episode_id_channel = "header X-Episode-ID"  # our loop makes every model call; the env never sees the id
+
+    def __init__(self, policy_timeout_s: float = 300.0):
+        self.worker = EnvWorker()
+        self.policy_timeout_s = policy_timeout_s
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if not self.worker.alive():
+                self.worker.start()
+
+    def kill_environment(self) -> None:
+        with self._lock:
+            self.worker.kill()
+
+    def restart_environment(self) -> None:
+        with self._lock:
+            if not (self.worker.alive() and self.worker.healthy()):
+                self.worker.kill()
+                self.worker.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self.worker.stop()
+
+    def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
+        started = time.monotonic()
+        item, family = TaskItem.from_json(episode.item), get_family(episode.family)
+        with self._lock:
+            if not self.worker.alive():
+                raise EnvironmentDown(f"{self.worker.name} {self.worker.url} is not running")
+            url = self.worker.url
+
+        def env(path: str, **body: Any) -> Any:
+            return post_to_environment(url + path, {"episode_id": episode.episode_id, **body})
+
+        made = env("/make", extras={"item": episode.item, "max_turns": episode.max_turns},
+                   prompt=[{"role": "system", "content": family.system_prompt},
+                           {"role": "user", "content": item.question}])
+        messages, tools = made["prompt"], made["info"]["tools"]
+        try:
+            while True:  # the env ends the episode: a final answer, or its turn limit
+                message, finish = policy.chat(episode.episode_id, messages, tools, timeout_s=self.policy_timeout_s)
+                text, calls = message.get("content") or "", message.get("tool_calls") or []
+                out = env("/step", action=hermes_text(text, calls))
+                if out["done"]:
+                    break
+                messages.append({"role": "assistant", "content": text, "tool_calls": calls})
+                messages += [{**observation, "tool_call_id": call.get("id", "")}
+                             for call, observation in zip(calls, out["observations"], strict=True)]
+        finally:
+            try:
+                env("/close")
+            except EnvironmentDown:
+                pass
+        meta = out["metadata"]
+        finish = "max_turns" if meta["truncated"] else finish
+        truncated = finish in ("length", "max_turns") and not meta["success"]
+        return EpisodeResult(
+            episode_id=episode.episode_id, task_id=episode.task_id, status="completed", reward=float(out["reward"]),
+            reward_components=dict(meta["components"]), success=meta["success"],
+            outcome="truncated" if truncated else meta["outcome"], finish_reason=finish, turns=out["turns"],
+            final_text=meta["final_text"], tool_calls=[ToolCallRecord(**c) for c in meta["tool_calls"]],
+            seconds=round(time.monotonic() - started, 3))
+
+
+def hermes_text(content: str, calls: list[dict[str, Any]]) -> str:
+    """The assistant turn as the text a SkyRL env steps on: the content, then one Hermes block per tool call
+    the policy server parsed out of it."""
+    blocks = []
+    for call in calls:
+        name, arguments = tool_call_arguments(call)
+        blocks.append(f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>")
+    return "\n".join(([content] if content else []) + blocks)
