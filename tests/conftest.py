@@ -1,5 +1,5 @@
 """Shared fixtures: builders for valid contract records, so tests corrupt one thing at a time, and the
-five-arm local comparison that the compare and Slurm tests both read (run once per session)."""
+six-arm local comparison that the compare and Slurm tests both read (run once per session)."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def rollout_tokens(run_dir: Path) -> dict[str, list]:
     return {r["episode_id"]: [s["token_ids"] for s in r["segments"]] for r in map(json.loads, lines)}
 
 
-COMPARED_ARMS = ["trl", "nemo-gym", "openenv", "verifiers", "lightning-verl"]
+COMPARED_ARMS = ["trl", "nemo-gym", "openenv", "verifiers", "lightning-verl", "skyrl-gym"]
 CALC_PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml"
 
 
@@ -111,8 +111,8 @@ def gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
-def wait_until(predicate, what: str, timeout_s: float) -> None:
+def wait_until(predicate, what: str, timeout_s: float = 600, poll_s: float = 0.1) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        time.sleep(0.1)
+        time.sleep(poll_s)

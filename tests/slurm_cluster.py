@@ -127,6 +127,8 @@ def slurm_cluster(cpus: int | None = None) -> Iterator[Cluster]:
         finally:
             for process in reversed(processes):
                 stop(process)
+            if os.environ.get("RUNNER_SLURM_LOGS"):  # keep the daemons' logs (investigating a failure)
+                shutil.copytree(folder / "log", Path(os.environ["RUNNER_SLURM_LOGS"]) / folder.name)
 
 
 def _node_idle(env: dict[str, str]) -> bool:

@@ -71,7 +71,7 @@ def test_comparison_carries_the_figures(comparison):
 def test_environment_arms_that_see_the_same_conversations_train_the_same_weights(comparison):
     """The comparison holds everything but the environment stack fixed: the policy server seeds each call
     from (plan seed, episode, call index) and renders every stack's conversation the same way, so stacks
-    that implement a task equivalently reach byte-identical weights (here all four environment stacks,
+    that implement a task equivalently reach byte-identical weights (here all five environment stacks,
     the team harness behind Agent Lightning's gateway included)."""
     _, data, _ = comparison
     weights = {arm["stack"]: arm["final_weights_sha256"] for arm in data["arms"] if arm["stack"] != "trl"}

@@ -8,19 +8,20 @@ five-arm comparison."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import CALC_PLAN, stage_evidence
+from conftest import CALC_PLAN, stage_evidence, wait_until
 from slurm_cluster import missing, slurm_cluster
 
 RUNNER = str(Path(sys.executable).parent / "runner")
+wait_for = functools.partial(wait_until, poll_s=0.5)  # most predicates run `runner status` (a process each)
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +42,6 @@ def runner(cluster, *args: str, env: dict[str, str] | None = None, timeout: floa
 
 def status(cluster, run_dir: Path) -> dict:
     return json.loads(runner(cluster, "status", str(run_dir), "--json").stdout)
-
-
-def wait_for(predicate, what: str, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def test_qualification_is_submitted_followed_and_its_evidence_collected(cluster, tmp_path):
