@@ -22,13 +22,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 def main(repeat: int = 5) -> None:
     from container_daemons import docker_daemon, missing
+    from runner_contracts import StageRequest, write_record
 
     from runner._container_engine import ContainerEngine
-    from runner._engine import LocalEngine
-    from runner._plan import load_plan
-    from runner._policy import resolve_policy
-    from runner._stacks import get_stack
-    from runner_contracts import StageRequest, write_record
+    from runner.api import LocalEngine, get_stack, load_plan, resolve_policy
 
     reason = missing("dockerd", "debootstrap")
     if reason:

@@ -26,12 +26,11 @@ def p50_ms(samples: list[float]) -> float | None:
 
 
 def main(episodes: int = 64, steps: int = 500) -> None:
+    from runner_contracts import StageRequest, StageResult, read_record
     from runner_kit.reference_backend import ReferenceBackend
     from runner_kit.rollout import bench_backend
-    from runner._engine import LocalEngine
-    from runner._plan import load_plan
-    from runner._stacks import all_stacks
-    from runner_contracts import StageRequest, StageResult, read_record
+
+    from runner.api import LocalEngine, all_stacks, load_plan
 
     engine = LocalEngine(log=lambda message: print(message, file=sys.stderr))
     plan = load_plan(PLAN)

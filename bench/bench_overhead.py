@@ -27,11 +27,9 @@ def timed(fn) -> float:
 
 
 def main(repeat: int = 3) -> None:
-    from runner._engine import LocalEngine
-    from runner._plan import load_plan
-    from runner._policy import resolve_policy
-    from runner._stacks import get_stack
     from runner_contracts import StageRequest, write_record
+
+    from runner.api import LocalEngine, get_stack, load_plan, resolve_policy
 
     engine = LocalEngine()
     env = engine.prepare(get_stack("trl"))

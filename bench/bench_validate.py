@@ -22,7 +22,6 @@ MODES = ("json-baseline", "validate", "audit")
 def generate(folder: Path, episodes: int) -> tuple[Path, Path]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import make_episode
-
     from runner_contracts import JsonlWriter, Segment
 
     trajectories, training = folder / "trajectories.jsonl", folder / "training.jsonl"
@@ -54,7 +53,7 @@ def measure(mode: str, trajectories: Path, training: Path) -> dict:
                 json.loads(line)
                 records += 1
     elif mode == "validate":
-        from runner._validate import validate_file
+        from runner.api import validate_file
 
         report = validate_file(trajectories)
         assert report.ok, report.errors[:3]

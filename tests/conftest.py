@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from runner_contracts import Segment, TrainingRow, Trajectory
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from runner._engine import _file_lock
-from runner._paths import cache_dir
+from runner.api import cache_dir
 
 
 def missing(*binaries: str) -> str | None:

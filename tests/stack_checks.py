@@ -20,9 +20,7 @@ from runner_contracts import (
 from runner_kit.http import post_json
 from runner_kit.scripted_policy import ScriptedPolicyServer
 
-from runner._engine import LocalEngine, StackEnvironment
-from runner._plan import load_plan
-from runner._stacks import all_stacks
+from runner.api import LocalEngine, StackEnvironment, all_stacks, load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"

@@ -10,6 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import matches_golden
+from runner_contracts import StageRequest, freeze_plan
 
 from runner._apptainer import (
     build_from_archive_command,
@@ -19,11 +20,8 @@ from runner._apptainer import (
     job_for_request,
     run_build,
 )
-from runner._errors import EngineError
 from runner._images import STACK_DEFINITION, base_for, context_inputs
-from runner._plan import load_plan
-from runner._stacks import get_stack
-from runner_contracts import StageRequest, freeze_plan
+from runner.api import EngineError, get_stack, load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,6 @@ import tarfile
 from pathlib import Path
 
 import pytest
-
 from conftest import CALC_PLAN, rollout_tokens, stage_evidence
 from container_daemons import docker_daemon, missing, podman_service
 

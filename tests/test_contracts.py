@@ -5,7 +5,6 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
 from runner_contracts import (
     JsonlWriter,
     Plan,
@@ -19,7 +18,8 @@ from runner_contracts import (
     write_atomic,
 )
 from runner_contracts.schema import schemas
-from runner._plan import load_plan
+
+from runner.api import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"

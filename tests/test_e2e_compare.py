@@ -11,7 +11,6 @@ import json
 import pytest
 from conftest import COMPARED_ARMS as ARMS
 from conftest import leftover_processes, wait_until
-
 from runner_contracts import Evidence, read_record
 
 GATEWAY_CAPTURE = "stack capture (gateway), audited against the policy server"

@@ -12,15 +12,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import gone, wait_until
+from runner_contracts import StageRequest, StageResult, read_record
+from test_contracts import PLAN
 
 from runner._engine import ENV_MARKER, LocalEngine
 from runner._pins import record_lock
-from runner._stacks import load_manifest
-from runner_contracts import StageRequest, StageResult, read_record
-
-from conftest import gone, wait_until
-from test_contracts import PLAN
-from runner._plan import load_plan
+from runner.api import load_manifest, load_plan
 
 ADAPTER = '''
 import json, os, time

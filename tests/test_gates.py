@@ -1,8 +1,6 @@
 import msgspec
-
-from qualification.gates import TraceAudit, lock_gate, resume_gates
-
 from conftest import make_episode
+from qualification.gates import TraceAudit, lock_gate, resume_gates
 
 
 def audit(trajectories, rows, *, group_size=2, tolerance=1e-3):

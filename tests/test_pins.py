@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runner._stacks import parse_lock
+from runner.api import parse_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(Path(sys.executable).parent / "runner")

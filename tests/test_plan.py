@@ -2,8 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from runner._errors import UserError
-from runner._plan import load_plan
+from runner.api import UserError, load_plan
 
 PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml"
 

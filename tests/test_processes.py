@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import CALC_PLAN, gone, leftover_processes, wait_until
-from runner._engine import run_process, scrubbed_env, start_process_service
-from runner._plan import load_plan
 from runner_contracts import StageRequest, write_record
 from runner_contracts.processes import descendants, end_processes
+
+from runner.api import load_plan, run_process, scrubbed_env, start_process_service
 
 ADAPTER = '''
 import json, os, subprocess, sys, time
@@ -104,7 +103,7 @@ def test_a_stopped_service_ends_what_it_started(adapter):
 HOST = '''
 import json, sys
 from pathlib import Path
-from runner._engine import run_process
+from runner.api import run_process
 cmd, out_dir, env = json.loads(sys.argv[1])
 run_process(cmd, Path(out_dir), env, timeout_s=600)
 '''

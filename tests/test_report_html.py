@@ -9,11 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from runner._report import write_report
 from runner_contracts import Evidence, GateResult, write_record
-
 from test_contracts import PLAN
+
+from runner.api import write_report
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -23,8 +22,9 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
-    from runner._plan import load_plan
     from runner_contracts import freeze_plan
+
+    from runner.api import load_plan
 
     run = tmp_path / "run"
     write_record(run / "plan.json", freeze_plan(load_plan(PLAN)))

@@ -171,9 +171,7 @@ def test_call_audit_fails_on_unattributed_foreign_or_altered_tokens():
 def test_comparison_refuses_arms_of_different_plans(tmp_path):
     from runner_contracts import freeze_plan, write_record
 
-    from runner._compare import write_comparison
-    from runner._errors import UserError
-    from runner._plan import load_plan
+    from runner.api import UserError, load_plan, write_comparison
 
     plan = freeze_plan(load_plan(ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"))
     other = freeze_plan(msgspec.structs.replace(plan, name="other", plan_id=None))

@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import CALC_PLAN, stage_evidence, wait_until
 from slurm_cluster import missing, slurm_cluster
 

@@ -10,11 +10,16 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import matches_golden
-
-from runner._errors import UserError
-from runner._plan import load_plan
-from runner._slurm import ArmJob, ClusterProfile, load_profile, render_arm, render_report
 from runner_contracts import freeze_plan
+
+from runner._slurm import (
+    ArmJob,
+    ClusterProfile,
+    load_profile,
+    render_arm,
+    render_report,
+)
+from runner.api import UserError, load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 ENVIRON = {"HOME": "/home/ada", "LANG": "C.UTF-8", "PATH": "/usr/bin:/bin", "RUNNER_CACHE_DIR": "/shared/cache",

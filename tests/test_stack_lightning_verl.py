@@ -32,9 +32,7 @@ from stack_checks import (
     scripted_episodes,
 )
 
-from runner._engine import LocalEngine
-from runner._plan import load_plan
-from runner._stacks import get_stack
+from runner.api import LocalEngine, get_stack, load_plan
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +118,7 @@ server.close()
 @contextlib.contextmanager
 def trl_policy_server(calls_path: Path):
     """The trl stack's PolicyServer on the cached tiny calc policy, in the trl environment; yields its URL."""
-    from runner._policy import build_tiny
+    from runner.api import build_tiny
 
     engine = LocalEngine()
     plan = load_plan(PLAN)
@@ -351,8 +349,8 @@ def test_gpu_plan_routes_training_jobs_to_the_stacks_gpu_environment(env, tmp_pa
     engine: real environments, real adapter jobs."""
     from runner_contracts import StageRequest, read_record
 
-    from runner._policy import resolve_policy
     from runner._qualify import Arm, run_stage
+    from runner.api import resolve_policy
 
     engine = LocalEngine()
     manifest = get_stack("lightning-verl")

@@ -26,9 +26,7 @@ from stack_checks import (
     scripted_episodes,
 )
 
-from runner._engine import LocalEngine
-from runner._plan import load_plan
-from runner._stacks import get_stack
+from runner.api import LocalEngine, get_stack, load_plan
 
 pytestmark = pytest.mark.slow
 

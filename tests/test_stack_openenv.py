@@ -16,8 +16,7 @@ from stack_checks import (
     scripted_episodes,
 )
 
-from runner._engine import LocalEngine
-from runner._stacks import get_stack
+from runner.api import LocalEngine, get_stack
 
 pytestmark = pytest.mark.slow
 

@@ -31,8 +31,7 @@ from stack_checks import (
     reference,
 )
 
-from runner._engine import LocalEngine, scrubbed_env
-from runner._stacks import get_stack
+from runner.api import LocalEngine, get_stack, scrubbed_env
 
 pytestmark = pytest.mark.slow
 RUNNER = str(Path(sys.executable).parent / "runner")

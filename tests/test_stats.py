@@ -1,6 +1,12 @@
 import pytest
-
-from qualification.stats import clopper_pearson, compare_paired, mcnemar_exact, non_inferior, rate_text, wilson
+from qualification.stats import (
+    clopper_pearson,
+    compare_paired,
+    mcnemar_exact,
+    non_inferior,
+    rate_text,
+    wilson,
+)
 
 
 def test_wilson_known_values():

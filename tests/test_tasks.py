@@ -1,4 +1,11 @@
-from qualification.tasks import ToolCall, Transcript, exact_overlap, get_family, split_hash, strict_final_answer
+from qualification.tasks import (
+    ToolCall,
+    Transcript,
+    exact_overlap,
+    get_family,
+    split_hash,
+    strict_final_answer,
+)
 
 
 def test_generators_are_deterministic_and_hashed():

@@ -6,10 +6,10 @@ import sys
 
 import msgspec
 import pytest
+from runner_contracts import JsonlWriter
 from typer.testing import CliRunner
 
 from runner.cli import app
-from runner_contracts import JsonlWriter
 
 runner = CliRunner()
 

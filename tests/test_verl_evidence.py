@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from qualification.gates.trace import TraceAudit
 from qualification.gates.stages import checkpoint_revisions, latest_complete_checkpoint
+from qualification.gates.trace import TraceAudit
 from runner_contracts import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,8 +161,9 @@ def test_a_verl_save_without_hf_weights_is_refused_by_name(evidence, tmp_path):
 
 
 def test_the_host_accounts_every_rollout_the_store_worker_ran(evidence, tmp_path):
-    from runner._qualify import _gpu_training_audit
     from runner_contracts import JsonlWriter, StageResult
+
+    from runner._qualify import _gpu_training_audit
 
     rollouts = [fake_completed_rollout("r1", "d1", TWO_CALLS, 1.0), fake_completed_rollout("r2", "d1", [], 0.0, "failed")]
     with JsonlWriter(tmp_path / "trajectories.jsonl") as writer:

@@ -14,9 +14,9 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import matches_golden
-
-from runner._plan import load_plan
 from runner_contracts import freeze_plan
+
+from runner.api import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 MODULE_PATH = ROOT / "stacks/lightning-verl/adapter/src/runner_stack_lightning_verl/verl_launch.py"
@@ -51,8 +51,7 @@ def test_golden_verl_launch_command_for_one_gpu():
 @pytest.mark.slow
 def test_golden_overrides_compose_against_verl_config():
     """Every rendered override names a key of verl 0.9.1's config (Hydra refuses unknown keys) and lands."""
-    from runner._engine import LocalEngine
-    from runner._stacks import get_stack
+    from runner.api import LocalEngine, get_stack
 
     env = LocalEngine().prepare(get_stack("lightning-verl"))
     overrides = _launch(_module()).overrides()
