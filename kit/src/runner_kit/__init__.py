@@ -2,7 +2,8 @@
 families (runner-qualification). A stack adapter uses its upstream, these modules, contracts and tasks,
 nothing else of ours:
 
-- runner_kit.rollout: the rollout-service scaffold (RolloutBackend, BatchRunner, adapter_main), PolicyEndpoint
+- runner_kit.rollout: the rollout-service scaffold (RolloutBackend; ServerBackend for one server process;
+  BatchRunner, adapter_main), PolicyEndpoint
   (one policy call under the episode's id), environment_info and reachability for the probe;
 - runner_kit.policy: the policy protocol (paths, episode header, attempt ids, tool rendering and parsing);
 - runner_kit.continuity: training rows from captured calls by exact prefix continuity;

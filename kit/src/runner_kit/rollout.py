@@ -51,6 +51,7 @@ from runner_contracts import (
 
 from .http import Call, HttpError, JsonServer, Reply, post_json
 from .policy import EPISODE_HEADER, attempt_id
+from .processes import ServerProcess
 from .scripted_policy import ScriptedPolicyServer
 
 SERVICE_FILE = "service.json"
@@ -142,6 +143,43 @@ class RolloutBackend:
         """Optional (for `make bench`): seconds per environment step through the upstream's own client
         alone ("upstream_client") and through this adapter's path ("adapter"), same server, same step."""
         return {}
+
+
+class ServerBackend(RolloutBackend):
+    """A backend whose environment is one server process it starts (`self.server`, a ServerProcess): start,
+    kill, restart and stop under one lock. Subclasses set `server` in __init__ and write run_episode,
+    taking the URL from running_url()."""
+
+    server: ServerProcess
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if not self.server.alive():
+                self.server.start()
+
+    def kill_environment(self) -> None:
+        with self._lock:
+            self.server.kill()
+
+    def restart_environment(self) -> None:
+        with self._lock:
+            if not (self.server.alive() and self.server.healthy()):
+                self.server.kill()
+                self.server.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self.server.stop()
+
+    def running_url(self) -> str:
+        """The server's URL; EnvironmentDown if it is not running (killed and not yet restarted)."""
+        with self._lock:
+            if not self.server.alive():
+                raise EnvironmentDown(f"{self.server.name} {self.server.url} is not running")
+            return self.server.url
 
 
 # --- probe -------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -21,7 +20,7 @@ from qualification.tasks import TaskItem, get_family
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 from runner_kit.policy import openai_tools, tool_call_arguments
 from runner_kit.processes import ServerProcess, bind_loopback, spawn
-from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
+from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, ServerBackend
 
 # Imported lazily by _env_client(): importing openenv.core pulls in gradio (~1.4 s), and probe needs none of it.
 _CLIENT: Any = None
@@ -75,7 +74,7 @@ class EnvServer(ServerProcess):
         self.wait_ready()
 
 
-class OpenEnvBackend(RolloutBackend):
+class OpenEnvBackend(ServerBackend):
     stack = "openenv"
     upstream_name = "openenv"
     capabilities = ["multi-turn-tools", "stateful-tools", "concurrent-episodes", "environment-restart", "cpu",
@@ -84,31 +83,9 @@ class OpenEnvBackend(RolloutBackend):
     episode_id_channel = "header X-Episode-ID"
 
     def __init__(self, max_sessions: int = 256, policy_timeout_s: float = 300.0):
+        super().__init__()
         self.server = EnvServer(max_sessions=max_sessions)
         self.policy_timeout_s = policy_timeout_s
-        self._lock = threading.Lock()
-
-    # --- lifecycle -------------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        with self._lock:
-            if not self.server.alive():
-                self.server.start()
-
-    def kill_environment(self) -> None:
-        with self._lock:
-            self.server.kill()
-
-    def restart_environment(self) -> None:
-        with self._lock:
-            if self.server.alive() and self.server.healthy():
-                return
-            self.server.kill()
-            self.server.start()
-
-    def stop(self) -> None:
-        with self._lock:
-            self.server.stop()
 
     def bench_step_latency(self, steps: int) -> dict[str, list[float]]:
         """One calc-tool tool step, timed through upstream's GenericEnvClient and through our TaskEnvClient,
@@ -152,10 +129,7 @@ class OpenEnvBackend(RolloutBackend):
         tools = openai_tools(family)
         messages: list[dict[str, Any]] = [{"role": "system", "content": family.system_prompt},
                                           {"role": "user", "content": item.question}]
-        with self._lock:
-            if not self.server.alive():
-                raise EnvironmentDown(f"OpenEnv server {self.server.url} is not running")
-            url = self.server.url
+        url = self.running_url()
         env = _env_client()(base_url=url, connect_timeout_s=10.0, message_timeout_s=60.0).sync()
         errors = _connection_errors()
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 from typing import Any
 
@@ -23,7 +22,7 @@ from qualification.tasks import TaskItem, get_family
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 from runner_kit.policy import tool_call_arguments
 from runner_kit.processes import ServerProcess, bind_loopback, spawn
-from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend, post_to_environment
+from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, ServerBackend, post_to_environment
 
 
 class EnvWorker(ServerProcess):
@@ -52,7 +51,7 @@ class EnvWorker(ServerProcess):
         self.wait_ready()
 
 
-class SkyRLGymBackend(RolloutBackend):
+class SkyRLGymBackend(ServerBackend):
     stack = "skyrl-gym"
     upstream_name = "skyrl-gym"
     capabilities = ["multi-turn-tools", "stateful-tools", "concurrent-episodes", "environment-restart", "cpu",
@@ -60,36 +59,14 @@ class SkyRLGymBackend(RolloutBackend):
     episode_id_channel = "header X-Episode-ID"  # our loop makes every model call; the env never sees the id
 
     def __init__(self, policy_timeout_s: float = 300.0):
-        self.worker = EnvWorker()
+        super().__init__()
+        self.server = EnvWorker()
         self.policy_timeout_s = policy_timeout_s
-        self._lock = threading.Lock()
-
-    def start(self) -> None:
-        with self._lock:
-            if not self.worker.alive():
-                self.worker.start()
-
-    def kill_environment(self) -> None:
-        with self._lock:
-            self.worker.kill()
-
-    def restart_environment(self) -> None:
-        with self._lock:
-            if not (self.worker.alive() and self.worker.healthy()):
-                self.worker.kill()
-                self.worker.start()
-
-    def stop(self) -> None:
-        with self._lock:
-            self.worker.stop()
 
     def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
         started = time.monotonic()
         item, family = TaskItem.from_json(episode.item), get_family(episode.family)
-        with self._lock:
-            if not self.worker.alive():
-                raise EnvironmentDown(f"{self.worker.name} {self.worker.url} is not running")
-            url = self.worker.url
+        url = self.running_url()
 
         def env(path: str, **body: Any) -> Any:
             return post_to_environment(url + path, {"episode_id": episode.episode_id, **body})
