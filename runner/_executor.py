@@ -154,9 +154,10 @@ def _first_error(evidence: dict[str, Evidence | None], attempts: list[Attempt], 
     if ended_badly and attempts and attempts[-1].number < expected:
         return (f"attempt {expected} (after {row['restarts']} requeue(s)) never started: Slurm ended the job "
                 f"{row['state']} (exit code {row['exit_code'] or '?'}"
-                f"{', reason ' + row['reason'] if row['reason'] else ''}) before its batch script ran; the "
-                f"stages below are attempt {attempts[-1].number}'s. Continue the arm with `runner qualify "
-                f"... --executor slurm --run-dir <this run> --resume`")
+                f"{', reason ' + row['reason'] if row['reason'] else ''}) before its batch script ran (a job "
+                f"released within the second of its requeue is refused: 'Job credential revoked' in "
+                f"slurmctld's log); the stages below are attempt {attempts[-1].number}'s. Continue the arm with "
+                f"`runner qualify ... --executor slurm --run-dir <this run> --resume`")
     since = attempts[-1].started_at if attempts else ""
     for stage, found in evidence.items():
         if found is None or (found.finished_at or "") < since:
