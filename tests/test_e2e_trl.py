@@ -133,13 +133,18 @@ def test_sft_recipe_passes_every_gate(tmp_path):
 
 @pytest.mark.parametrize("plan_name", ["german-rag-cited-cpu", "business-comm-cpu"])
 def test_trl_qualifies_on_the_programme_tracks(plan_name, tmp_path):
-    """The synthetic RAG and business-communication tracks: every gate passes with a tiny policy that only
-    learned the format; held-out results are small and must be reported as inconclusive, not improved."""
+    """The synthetic RAG and business-communication tracks: every gate passes with a tiny policy; the held-out
+    verdict is the one the paired test's p-value and direction give at the plan's confidence (which one
+    depends on the machine's floating point: business-comm read 19/48 -> 30/48, p=0.019, improved, on one
+    machine and inconclusive on another), and the report shows it."""
     plan = ROOT / "qualification" / "plans" / f"{plan_name}.yaml"
     run_dir = tmp_path / plan_name
     result = runner("qualify", "--stack", "trl", "--plan", str(plan), "--run-dir", str(run_dir), "--json")
     summary = json.loads(result.stdout)
     assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}"
-    assert summary["evaluation"]["heldout"]["verdict"] == "inconclusive"
+    heldout = summary["evaluation"]["heldout"]
+    alpha = 1 - json.loads((run_dir / "plan.json").read_text())["gates"]["confidence"]
+    direction = "improved" if heldout["trained_k"] > heldout["base_k"] else "regressed"
+    assert heldout["verdict"] == (direction if heldout["p_value"] < alpha else "inconclusive"), heldout
     page = (run_dir / "report.html").read_text()
-    assert "inconclusive" in page and "Held-out and retention success" in page
+    assert heldout["verdict"] in page and "Held-out and retention success" in page
