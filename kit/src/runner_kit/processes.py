@@ -23,7 +23,7 @@ from runner_contracts.processes import descendants, die_with_parent, end_process
 
 HOST = "127.0.0.1"
 
-__all__ = ["HOST", "ServerProcess", "bind_loopback", "descendants", "die_with_parent", "free_port", "kill_tree",
+__all__ = ["HOST", "ServerProcess", "SocketServer", "bind_loopback", "descendants", "die_with_parent", "free_port", "kill_tree",
            "spawn", "wait_until"]
 
 
@@ -164,3 +164,34 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.kill()
         self.process = None
+
+
+class SocketServer(ServerProcess):
+    """A server child that listens on a 127.0.0.1 socket bound here and passed as `--fd N` (the previous port
+    when it is free again): it cannot listen anywhere else, and once it dies connections are refused, not
+    queued. Subclasses give `command()` (without --fd) and may set `env`."""
+
+    def __init__(self, ready_timeout_s: float = 60.0):
+        self.ready_timeout_s = ready_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.port = 0
+        self.starts = 0
+        self.env: dict[str, str] | None = None
+
+    def command(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def start(self) -> None:
+        sock = bind_loopback(self.port)
+        self.port = sock.getsockname()[1]
+        try:
+            self.process = spawn([*self.command(), "--fd", str(sock.fileno())], pass_fds=(sock.fileno(),),
+                                 env=self.env, stdin=subprocess.DEVNULL)
+        finally:
+            sock.close()  # the child holds the only listening copy
+        self.starts += 1
+        self.wait_ready()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 from qualification.tasks import TaskItem, get_family
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 from runner_kit.policy import openai_tools, tool_call_arguments
-from runner_kit.processes import ServerProcess, bind_loopback, spawn
+from runner_kit.processes import SocketServer
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, ServerBackend
 
 # Imported lazily by _env_client(): importing openenv.core pulls in gradio (~1.4 s), and probe needs none of it.
@@ -42,36 +41,18 @@ def _connection_errors() -> tuple[type[BaseException], ...]:
     return (ConnectionError, ConnectionClosed, InvalidHandshake, TimeoutError, OSError)
 
 
-class EnvServer(ServerProcess):
+class EnvServer(SocketServer):
     """The uvicorn subprocess serving the OpenEnv app, on a socket bound here to 127.0.0.1."""
 
     name = "OpenEnv server"
 
     def __init__(self, max_sessions: int = 256, ready_timeout_s: float = 60.0):
+        super().__init__(ready_timeout_s)
         self.max_sessions = max_sessions
-        self.ready_timeout_s = ready_timeout_s
-        self.process: subprocess.Popen | None = None
-        self.port = 0
-        self.starts = 0
+        self.env = {**os.environ, "ENABLE_WEB_INTERFACE": "false"}  # create_app would otherwise mount gradio at /web
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        sock = bind_loopback(self.port)  # the previous port when it is free again
-        self.port = sock.getsockname()[1]
-        try:
-            env = {**os.environ, "ENABLE_WEB_INTERFACE": "false"}  # create_app would otherwise mount gradio at /web
-            self.process = spawn(
-                [sys.executable, "-m", "runner_stack_openenv.server", "--fd", str(sock.fileno()),
-                 "--max-sessions", str(self.max_sessions)], pass_fds=(sock.fileno(),), env=env,
-                stdin=subprocess.DEVNULL)
-        finally:
-            # The child holds the only listening copy: once it dies, connections are refused, not queued.
-            sock.close()
-        self.starts += 1
-        self.wait_ready()
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "runner_stack_openenv.server", "--max-sessions", str(self.max_sessions)]
 
 
 class OpenEnvBackend(ServerBackend):

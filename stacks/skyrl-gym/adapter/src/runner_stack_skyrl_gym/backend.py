@@ -13,7 +13,6 @@ keeps the assistant message as the server returned it (the server's prefix conti
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from typing import Any
@@ -21,34 +20,17 @@ from typing import Any
 from qualification.tasks import TaskItem, get_family
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 from runner_kit.policy import tool_call_arguments
-from runner_kit.processes import ServerProcess, bind_loopback, spawn
+from runner_kit.processes import SocketServer
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, ServerBackend, post_to_environment
 
 
-class EnvWorker(ServerProcess):
+class EnvWorker(SocketServer):
     """worker.py as a subprocess, on a socket bound here to 127.0.0.1."""
 
     name = "skyrl-gym env worker"
 
-    def __init__(self) -> None:
-        self.process: subprocess.Popen | None = None
-        self.port = 0
-        self.starts = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        sock = bind_loopback(self.port)
-        self.port = sock.getsockname()[1]
-        try:
-            self.process = spawn([sys.executable, "-m", "runner_stack_skyrl_gym.worker", "--fd", str(sock.fileno())],
-                                 pass_fds=(sock.fileno(),), stdin=subprocess.DEVNULL)
-        finally:
-            sock.close()  # the child holds the only listening copy: once it dies, connections are refused
-        self.starts += 1
-        self.wait_ready()
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "runner_stack_skyrl_gym.worker"]
 
 
 class SkyRLGymBackend(ServerBackend):
