@@ -24,7 +24,7 @@ def main(repeat: int = 5) -> None:
     from container_daemons import docker_daemon, missing
     from runner_contracts import StageRequest, write_record
 
-    from runner._container_engine import ContainerEngine
+    from runner._engines.container import ContainerEngine
     from runner.api import LocalEngine, get_stack, load_plan, resolve_policy
 
     reason = missing("dockerd", "debootstrap")

@@ -17,7 +17,7 @@ import msgspec
 
 from runner_contracts import sha256_file, write_atomic
 
-from ._engine import find_python
+from ._engines.local import find_python
 from ._errors import EngineError, UserError
 from ._stacks import StackManifest, normalise
 

@@ -14,7 +14,8 @@ import msgspec
 
 from runner_contracts import Plan, PolicySpec, StageRequest, canonical_json, freeze_plan, sha256_file
 
-from ._engine import LocalEngine, last_error_lines, tree_hash
+from ._engines.jobs import last_error_lines, tree_hash
+from ._engines.local import LocalEngine
 from ._errors import EngineError, UserError
 from ._paths import cache_dir, local_packages
 from ._stacks import StackManifest, all_stacks

@@ -14,7 +14,7 @@ from runner_contracts import Evidence, Plan, read_record, write_atomic
 
 from ._errors import UserError
 from ._html import render as render_html
-from ._qualify import STAGES
+from ._stages import STAGES
 
 STATUS_STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "dim"}
 

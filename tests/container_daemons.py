@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from runner._engine import _file_lock
+from runner._engines.jobs import file_lock
 from runner.api import cache_dir
 
 
@@ -36,7 +36,7 @@ def missing(*binaries: str) -> str | None:
 def _store_lock(store: Path) -> Iterator[None]:
     """One daemon per store at a time (parallel sessions of the suite share the cache)."""
     store.mkdir(parents=True, exist_ok=True)
-    with _file_lock(store.parent / f".{store.name}.lock"):
+    with file_lock(store.parent / f".{store.name}.lock"):
         yield
 
 

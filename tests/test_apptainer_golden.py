@@ -12,7 +12,7 @@ import pytest
 from conftest import matches_golden
 from runner_contracts import StageRequest, freeze_plan
 
-from runner._apptainer import (
+from runner._engines.apptainer import (
     build_from_archive_command,
     build_from_definition_command,
     definition,
@@ -20,7 +20,7 @@ from runner._apptainer import (
     job_for_request,
     run_build,
 )
-from runner._images import STACK_DEFINITION, base_for, context_inputs
+from runner._engines.images import STACK_DEFINITION, base_for, context_inputs
 from runner.api import EngineError, get_stack, load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,8 +86,8 @@ def test_sif_build_without_apptainer_says_what_to_run():
 
 def test_an_apptainer_job_gets_its_private_tmpdir_created(tmp_path, monkeypatch):
     """--containall gives the job no /tmp of the host: TMPDIR points into the stage folder and must exist."""
-    from runner._apptainer import ApptainerEngine
-    from runner._engine import STACK_PREFIX, StackEnvironment
+    from runner._engines.apptainer import ApptainerEngine
+    from runner._engines.jobs import STACK_PREFIX, StackEnvironment
 
     monkeypatch.setenv("RUNNER_SIF_DIR", str(tmp_path / "sif"))
     stage = tmp_path / "run" / "stages" / "probe"

@@ -16,7 +16,7 @@ from conftest import gone, wait_until
 from runner_contracts import StageRequest, StageResult, read_record
 from test_contracts import PLAN
 
-from runner._engine import ENV_MARKER, LocalEngine
+from runner._engines.local import ENV_MARKER, LocalEngine
 from runner._pins import record_lock
 from runner.api import load_manifest, load_plan
 
@@ -173,7 +173,7 @@ def test_adapter_dies_with_the_runner(stack, engine, tmp_path):
 
     engine.prepare(stack)  # built here, so the killed runner below only starts the adapter
     out = tmp_path / "orphan"
-    script = (f"from runner._engine import LocalEngine; from runner._stacks import load_manifest; "
+    script = (f"from runner._engines.local import LocalEngine; from runner._stacks import load_manifest; "
               f"from test_engine import request; from pathlib import Path; "
               f"e = LocalEngine(cache_root=Path({str(engine.root.parent)!r})); "
               f"env = e.prepare(load_manifest(Path({str(stack.folder / 'stack.toml')!r}))); "

@@ -12,7 +12,7 @@ import pytest
 from conftest import matches_golden
 from runner_contracts import freeze_plan
 
-from runner._slurm import (
+from runner._executors.sbatch import (
     ArmJob,
     ClusterProfile,
     load_profile,
@@ -113,7 +113,7 @@ def _interrupted_update(finished_at: str):
 def test_status_tells_a_requeued_attempt_from_the_one_before(tmp_path):
     """An arm's log holds one line per attempt (arm.sbatch prints it first); the job's final state belongs to
     attempt restarts+1, and the evidence an earlier attempt left is not that attempt's error."""
-    from runner._executor import _first_error, read_attempts
+    from runner._executors.slurm import _first_error, read_attempts
 
     log = tmp_path / "job-4.out"
     log.write_text("runner: job 4 attempt 1 started on node1 at 2026-12-01T07:52:10+00:00\n"

@@ -349,7 +349,7 @@ def test_gpu_plan_routes_training_jobs_to_the_stacks_gpu_environment(env, tmp_pa
     engine: real environments, real adapter jobs."""
     from runner_contracts import StageRequest, read_record
 
-    from runner._qualify import Arm, run_stage
+    from runner._stages import Arm, run_stage
     from runner.api import resolve_policy
 
     engine = LocalEngine()

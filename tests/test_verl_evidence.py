@@ -160,10 +160,11 @@ def test_a_verl_save_without_hf_weights_is_refused_by_name(evidence, tmp_path):
     assert not (tmp_path / "checkpoints" / "checkpoint-1" / "COMPLETE").exists()
 
 
-def test_the_host_accounts_every_rollout_the_store_worker_ran(evidence, tmp_path):
-    from runner_contracts import JsonlWriter, StageResult
+def test_the_host_accounts_every_rollout_in_the_stacks_ledger(evidence, tmp_path):
+    """The store worker's rollout ledger (a typed record in result.json) is checked against the trajectories."""
+    from runner_contracts import JsonlWriter, RolloutLedger
 
-    from runner._qualify import _gpu_training_audit
+    from runner._stages.audits import ledger_audit
 
     rollouts = [fake_completed_rollout("r1", "d1", TWO_CALLS, 1.0), fake_completed_rollout("r2", "d1", [], 0.0, "failed")]
     with JsonlWriter(tmp_path / "trajectories.jsonl") as writer:
@@ -172,8 +173,7 @@ def test_the_host_accounts_every_rollout_the_store_worker_ran(evidence, tmp_path
             writer.write(record)
 
     def gate(**counts):
-        result = StageResult(stage="train", metrics={"rollouts": {"failures": [], **counts}})
-        return _gpu_training_audit(None, tmp_path, result)[0][0]
+        return ledger_audit(tmp_path, RolloutLedger(**counts))[0][0]
 
     assert gate(claimed=2, succeeded=1, failed=1).passed
     short = gate(claimed=3, succeeded=2, failed=1)  # a rollout the worker ran is missing from the evidence

@@ -9,14 +9,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+from .._console import console, err_console
 from .._errors import EngineError, UserError
 
-# Piped output (make, CI logs) gets wide tables instead of rich's 80-column default.
-console = Console(width=None if sys.stdout.isatty() else 150)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
+__all__ = ["cli_errors", "console", "err_console", "print_json"]
 
 
 def print_json(data: Any) -> None:

@@ -3,25 +3,22 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 import re
 from pathlib import Path
 
 import typer
 from rich.table import Table
 
-from .._compare import table_rows, write_comparison
-from .._engine import LocalEngine
-from .._engines import make_engine
-from .._errors import EngineError, UserError
-from .._executor import submit_comparison
-from .._slurm import load_profile
+from .._compare import table_rows
+from .._engines.local import LocalEngine
+from .._errors import UserError
+from .._executors import Submitted, make_executor
 from .._plan import load_plan
 from .._policy import resolve_policy
-from .._qualify import RECIPE_STAGES
 from .._stacks import get_stack
+from .._stages import RECIPE_STAGES
 from ._common import cli_errors, console, err_console, print_json
-from .qualify import check_executor, check_run_dir, follow_with_progress, report_submitted, run_arm_with_progress
+from .qualify import logger, report_submitted
 
 
 def compare(
@@ -56,30 +53,17 @@ def compare(
             raise UserError(f"--stacks {stacks!r}: name two or more different stacks")
         manifests = [get_stack(name) for name in names]
         plan = load_plan(plan_path)
-        log = (lambda message: err_console.print(f"[dim]{message}[/]")) if not json_output else (lambda m: None)
-        check_executor(executor, engine, cluster, dry_run)
-        runner_engine = make_engine(engine, log=log) if executor == "local" else None
+        runner = make_executor(executor, engine=engine, cluster=cluster, dry_run=dry_run, follow=follow_jobs,
+                               quiet=json_output, log=logger(json_output))
         with err_console.status("preparing the policy"):
-            frozen = resolve_policy(plan, LocalEngine(log=log))
+            frozen = resolve_policy(plan, LocalEngine(log=logger(json_output)))
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         target = (run_dir or Path("runs") / f"{stamp}-compare-{re.sub(r'[^A-Za-z0-9_.-]', '_', frozen.name)}").resolve()
-        if executor == "slurm":
-            for name in names:
-                check_run_dir(target / "arms" / name, frozen)
-            jobs = submit_comparison(names, frozen, target, engine, load_profile(cluster), dry_run=dry_run)
-            if dry_run or not follow_jobs:
-                report_submitted(jobs, target, dry_run=dry_run, json_output=json_output)
-                raise typer.Exit(0)
-            follow_with_progress(target, quiet=json_output)
-            if not (target / "comparison.json").is_file():
-                raise EngineError(f"the report job wrote no comparison.json; `runner status {target}` shows why")
-            result = json.loads((target / "comparison.json").read_text())
-        else:
-            for manifest in manifests:
-                stages = [s for s in manifest.stages if s in RECIPE_STAGES[frozen.recipe]]
-                run_arm_with_progress(manifest, runner_engine, frozen, target / "arms" / manifest.name, stages,
-                                      quiet=json_output)
-            result = write_comparison(target, names)
+        stages = {m.name: [s for s in m.stages if s in RECIPE_STAGES[frozen.recipe]] for m in manifests}
+        result = runner.compare(manifests, frozen, target, stages)
+        if isinstance(result, Submitted):
+            report_submitted(result, json_output=json_output)
+            raise typer.Exit(0)
         result["run_dir"] = str(target)
     if json_output:
         print_json(result)

@@ -9,9 +9,9 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .._apptainer import build_from_archive_command, build_from_definition_command, definition, run_build
+from .._engines.apptainer import build_from_archive_command, build_from_definition_command, definition, run_build
 from .._errors import UserError
-from .._images import (
+from .._engines.images import (
     build_context,
     context_inputs,
     base_for,

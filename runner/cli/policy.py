@@ -9,7 +9,7 @@ import typer
 
 from runner_contracts import sha256_file
 
-from .._engine import LocalEngine
+from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._policy import WEIGHTS, build_tiny, default_plan_for_policy
 from ._common import cli_errors, console, err_console, print_json

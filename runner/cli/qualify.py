@@ -3,24 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import typer
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from runner_contracts import Evidence, Plan, read_record
-
-from .._engine import LocalEngine
-from .._engines import Engine, check_engine, make_engine
-from .._executor import ENDED, EXECUTORS, follow, submit_qualification
-from .._slurm import SubmittedJob, load_profile
+from .._engines.local import LocalEngine
 from .._errors import UserError
+from .._executors import Submitted, make_executor
 from .._plan import load_plan
 from .._policy import resolve_policy
-from .._qualify import RECIPE_STAGES, STAGES, default_run_dir, prepare_arm, run_arm
-from .._report import gate_table, load_run, write_report
-from .._stacks import StackManifest, get_stack
+from .._report import gate_table, load_run
+from .._stacks import get_stack
+from .._stages import RECIPE_STAGES, STAGES, default_run_dir
 from ._common import cli_errors, console, err_console, print_json
+
 
 def _parse_stages(text: str | None, available: tuple[str, ...]) -> list[str]:
     """Stages to run, in order: the requested ones, or every stage the stack and the recipe have."""
@@ -36,18 +31,9 @@ def _parse_stages(text: str | None, available: tuple[str, ...]) -> list[str]:
     return [stage for stage in STAGES if stage in wanted]
 
 
-def check_executor(executor: str, engine: str, cluster: Path | None, dry_run: bool, image: str | None = None) -> None:
-    if executor not in EXECUTORS:
-        raise UserError(f"--executor {executor!r}: executors are {', '.join(EXECUTORS)}")
-    check_engine(engine)
-    if executor == "local" and (cluster or dry_run):
-        raise UserError("--cluster and --dry-run belong to --executor slurm")
-    if executor == "slurm" and image:
-        raise UserError("--image belongs to --executor local: a Slurm job builds or finds the stack's image on "
-                        "its node (Apptainer: <RUNNER_SIF_DIR>/<stack>.sif)")
-
-
-def report_submitted(jobs: list[SubmittedJob], target: Path, *, dry_run: bool, json_output: bool) -> None:
+def report_submitted(submitted: Submitted, *, json_output: bool) -> None:
+    """What a command prints when it returns with its jobs submitted (or, in a dry run, written)."""
+    target, jobs, dry_run = submitted.run_dir, submitted.jobs, submitted.dry_run
     if json_output:
         print_json({"run_dir": str(target), "dry_run": dry_run,
                     "jobs": [{"name": j.name, "job_id": j.job_id, "script": j.script} for j in jobs]})
@@ -59,57 +45,8 @@ def report_submitted(jobs: list[SubmittedJob], target: Path, *, dry_run: bool, j
                   highlight=False)
 
 
-def follow_with_progress(target: Path, *, quiet: bool) -> dict[str, Any]:
-    """Follows the run's Slurm jobs with one line per job (state, reason, stages done)."""
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
-                  disable=quiet) as progress:
-        lines: dict[str, Any] = {}
-
-        def update(current: dict[str, Any]) -> None:
-            for row in current["jobs"]:
-                if row["name"] not in lines:
-                    lines[row["name"]] = progress.add_task("", total=1)
-                stages = row.get("stages") or {}
-                done = ", ".join(f"{stage} {status}" for stage, status in stages.items())
-                reason = f" ({row['reason']})" if row["reason"] else ""
-                progress.update(lines[row["name"]], description=f"{row['name']} job {row['job_id']}: "
-                                                                f"{row['state']}{reason}{'; ' + done if done else ''}",
-                                completed=1 if row["state"] in ENDED else 0)
-
-        return follow(target, update)
-
-
-def check_run_dir(target: Path, plan: Plan) -> None:
-    """Refuses a run directory that already holds another plan's arm."""
-    if target.exists() and (target / "plan.json").is_file():
-        existing = read_record(target / "plan.json", Plan)
-        if existing.plan_id != plan.plan_id:
-            raise UserError(f"run directory {target}: holds plan {(existing.plan_id or '')[:12]}, not "
-                            f"{(plan.plan_id or '')[:12]}; arms with different plans are never mixed")
-
-
-def run_arm_with_progress(manifest: StackManifest, engine: Engine, plan: Plan, target: Path,
-                          selected: list[str], *, quiet: bool, resume: bool = False,
-                          ) -> tuple[list[Evidence], dict[str, Any]]:
-    """Prepares and runs one arm with a progress line per stage; writes its report."""
-    check_run_dir(target, plan)
-    target.mkdir(parents=True, exist_ok=True)
-    with err_console.status(f"preparing the {manifest.name} environment(s)"):
-        arm = prepare_arm(manifest, engine, plan, target)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                  console=err_console, disable=quiet) as progress:
-        tasks = {stage: progress.add_task(f"{manifest.name} {stage}: waiting", total=1) for stage in selected}
-
-        def on_stage(stage: str, status: str) -> None:
-            progress.update(tasks[stage], description=f"{manifest.name} {stage}: "
-                                                      f"{'running' if status == 'start' else status}",
-                            completed=0 if status == "start" else 1)
-
-        arm.on_event = lambda stage, message: progress.update(tasks[stage], description=f"{manifest.name} {stage}: {message}")
-        evidence = run_arm(arm, selected, on_stage, resume=resume)
-    data = write_report(target)
-    data["run_dir"] = str(target)
-    return evidence, data
+def logger(json_output: bool):
+    return (lambda message: err_console.print(f"[dim]{message}[/]")) if not json_output else (lambda m: None)
 
 
 def qualify(
@@ -147,29 +84,18 @@ def qualify(
         manifest = get_stack(stack)
         plan = load_plan(plan_path)
         selected = _parse_stages(stages, tuple(s for s in manifest.stages if s in RECIPE_STAGES[plan.recipe]))
-        log = (lambda message: err_console.print(f"[dim]{message}[/]")) if not json_output else (lambda m: None)
-        check_executor(executor, engine, cluster, dry_run, image)
         if resume and run_dir is None:
             raise UserError("--resume needs --run-dir: the run to continue")
-        runner_engine = make_engine(engine, log=log, images={stack: image} if image else None) \
-            if executor == "local" else None
+        runner = make_executor(executor, engine=engine, images={stack: image} if image else None, cluster=cluster,
+                               dry_run=dry_run, follow=follow_jobs, quiet=json_output, log=logger(json_output))
         with err_console.status("preparing the policy"):
-            frozen = resolve_policy(plan, LocalEngine(log=log))
+            frozen = resolve_policy(plan, LocalEngine(log=logger(json_output)))
         target = (run_dir or default_run_dir(stack, frozen)).resolve()
-        if executor == "slurm":
-            check_run_dir(target, frozen)
-            jobs = submit_qualification(stack, frozen, target, engine, load_profile(cluster),
-                                        stages=selected if stages else None, dry_run=dry_run)
-            if dry_run or not follow_jobs:
-                report_submitted(jobs, target, dry_run=dry_run, json_output=json_output)
-                raise typer.Exit(0)
-            follow_with_progress(target, quiet=json_output)
-            _, evidence = load_run(target)
-            data = write_report(target)
-            data["run_dir"] = str(target)
-        else:
-            evidence, data = run_arm_with_progress(manifest, runner_engine, frozen, target, selected,
-                                                   quiet=json_output, resume=resume)
+        data = runner.qualify(manifest, frozen, target, selected, all_stages=not stages, resume=resume)
+        if isinstance(data, Submitted):
+            report_submitted(data, json_output=json_output)
+            raise typer.Exit(0)
+        _, evidence = load_run(target)
     if json_output:
         print_json(data)
     else:

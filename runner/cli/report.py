@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from .._compare import write_comparison
-from .._executor import arm_order
+from .._executors.slurm import arm_order
 from .._report import gate_table, load_run, write_report
 from ._common import cli_errors, console, print_json
 

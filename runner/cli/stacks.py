@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from .._engine import ENV_MARKER, LocalEngine, find_python
+from .._engines.local import ENV_MARKER, LocalEngine, find_python
 from .._errors import EngineError
 from .._stacks import all_stacks
 from ._common import cli_errors, console, print_json

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .._executor import cancel_run, status as run_status
+from .._executors.slurm import cancel_run, status as run_status
 from ._common import cli_errors, console, print_json
 
 

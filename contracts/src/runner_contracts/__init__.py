@@ -40,6 +40,7 @@ from .records import (
     PolicySpec,
     Record,
     RewardSpec,
+    RolloutLedger,
     RolloutRequest,
     RolloutResponse,
     SamplingSpec,
@@ -58,7 +59,7 @@ from .records import (
 __all__ = [
     "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration",
     "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "FaultSpec", "EvalRecord", "Evidence", "GateResult", "GateSpec", "Hardware",
-    "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Record", "RecordError", "RewardSpec", "RolloutRequest", "RolloutResponse", "SamplingSpec",
+    "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Record", "RecordError", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageRequest", "StageResult", "TaskSpec", "ToolCallRecord", "TrainingRow",
     "Trajectory", "Upstream", "canonical_json", "decode_record", "encode", "freeze_plan", "iter_jsonl",
     "plan_id", "read_jsonl", "read_record", "sha256_bytes", "sha256_file", "write_atomic",

@@ -247,8 +247,21 @@ class StageRequest(Record, kw_only=True):
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class RolloutLedger(Record, kw_only=True):
+    """What a stack's own rollout runner did during a training job whose sampler keeps no call log (verl's
+    vLLM servers, for one): the rollouts it claimed and how each ended. The host does not take it on trust:
+    the job's trajectories must account for every rollout claimed here (gate calls:rollouts-accounted)."""
+
+    claimed: int
+    succeeded: int
+    failed: int
+    failures: list[str] = msgspec.field(default_factory=list)  # "<rollout id>: <reason>", the first few
+    worker_error: str | None = None  # what stopped the runner early, if anything did
+
+
 class StageResult(Record, kw_only=True):
-    """What the adapter reports back (result.json). The host trusts none of it for gates."""
+    """What the adapter reports back (result.json). The host trusts none of it for gates: claims in it
+    (a rollout ledger) are checked against the files the job wrote."""
 
     contract: Literal["stage-result"] = "stage-result"
     version: int = 1
@@ -257,6 +270,7 @@ class StageResult(Record, kw_only=True):
     environment: EnvironmentInfo | None = None
     capabilities: list[str] = msgspec.field(default_factory=list)
     files: dict[str, str] = msgspec.field(default_factory=dict)  # role -> path relative to out_dir
+    rollout_ledger: RolloutLedger | None = None
     error: ErrorInfo | None = None
 
 

@@ -10,9 +10,9 @@ One stage job runs three things on the node, all bound to 127.0.0.1:
    config), whose trainer writes trajectories.jsonl, training.jsonl, steps.json and
    checkpoints/checkpoint-N/ as it goes (verl_evidence).
 
-The result names the trainer (verl), each step's policy loss and the store worker's counts; the host
-audits the files as for every arm. A resumed stage (`resume_from` = a published checkpoint) hands verl its
-own global_step folder inside that checkpoint.
+The result names the trainer (verl), each step's policy loss and the store worker's rollout ledger; the
+host audits the files as for every arm and checks the ledger against them. A resumed stage (`resume_from`
+= a published checkpoint) hands verl its own global_step folder inside that checkpoint.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgspec
 
-from runner_contracts import StageRequest, StageResult, sha256_file
+from runner_contracts import RolloutLedger, StageRequest, StageResult, sha256_file
 
 from .backend import LightningBackend
 from .store_worker import StoreWorker
@@ -87,9 +87,9 @@ def run_verl_stage(request: StageRequest) -> StageResult:
                            f"(log: {log}):\n{tail}")
     return StageResult(stage=request.stage, metrics={
         "trainer": "verl", "gpus": gpus, "loss": [step["loss"] for step in steps], "steps": steps,
-        "rollouts": {**dataclasses.asdict(worker.counts),
-                     "worker_error": None if worker.error is None else repr(worker.error)},
         "launch": launch.command("python", "plan.json"),
     }, files={"trajectories": "trajectories.jsonl", "training": "training.jsonl", "log": "verl.log",
-              "steps": "steps.json"})
+              "steps": "steps.json"},
+        rollout_ledger=RolloutLedger(**dataclasses.asdict(worker.counts),
+                                     worker_error=None if worker.error is None else repr(worker.error)))
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from runner_contracts import Plan, write_atomic
 
-from ._errors import EngineError, UserError
-from ._paths import PROJECT_ROOT
+from .._errors import EngineError, UserError
+from .._paths import PROJECT_ROOT
 
 TEMPLATES = Path(__file__).parent / "templates"
 JOBS_FILE = "jobs.json"

@@ -28,10 +28,10 @@ from typing import Any
 
 from runner_contracts import sha256_file, write_atomic
 
-from ._engine import tree_hash
-from ._errors import EngineError, UserError
-from ._paths import PROJECT_ROOT, cache_dir, local_packages
-from ._stacks import StackManifest, normalise
+from .jobs import tree_hash
+from .._errors import EngineError, UserError
+from .._paths import PROJECT_ROOT, cache_dir, local_packages
+from .._stacks import StackManifest, normalise
 
 IMAGES_DIR = PROJECT_ROOT / "images"
 STACK_DEFINITION = IMAGES_DIR / "stack.Containerfile"

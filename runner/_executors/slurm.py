@@ -1,8 +1,11 @@
-"""Submitting qualifications and comparisons to Slurm and following them; `runner status` and `cancel`
-read the run directory's slurm/jobs.json."""
+"""The Slurm executor: an arm is one sbatch job (a comparison chains one per arm, then a report job),
+followed until it ends; `runner status` and `cancel` read the run directory's slurm/jobs.json. The batch
+script always runs `runner qualify --resume`, so a requeued job, or one submitted again into the same run
+directory, keeps the stages that passed."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
@@ -10,11 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
 from runner_contracts import Evidence, Plan, RecordError, read_record, write_atomic, write_record
 
-from ._errors import UserError
-from ._qualify import STAGES
-from ._slurm import (
+from .._console import err_console
+from .._errors import EngineError, UserError
+from .._report import write_report
+from .._stacks import StackManifest
+from .._stages import STAGES
+from .._stages.arm import check_run_dir
+from . import Submitted
+from .sbatch import (
     FINISHED,
     JOBS_FILE,
     ArmJob,
@@ -30,9 +40,63 @@ from ._slurm import (
     write_jobs,
 )
 
-EXECUTORS = ("local", "slurm")
 ENDED = FINISHED | {"UNKNOWN"}
 ATTEMPT_LINE = re.compile(r"^runner: job (\d+) attempt (\d+) started on (\S+) at (\S+)$")
+
+
+class SlurmExecutor:
+    """Submits arms as sbatch jobs with the cluster profile's resources and follows them, or returns the
+    submitted jobs (`follow=False`, or a dry run that writes the scripts only)."""
+
+    name = "slurm"
+
+    def __init__(self, engine: str, profile: ClusterProfile, *, dry_run: bool = False, follow: bool = True,
+                 quiet: bool = False):
+        self.engine, self.profile = engine, profile
+        self.dry_run, self.follow, self.quiet = dry_run, follow, quiet
+
+    def qualify(self, manifest: StackManifest, plan: Plan, run_dir: Path, stages: list[str], *,
+                all_stages: bool, resume: bool) -> dict[str, Any] | Submitted:
+        check_run_dir(run_dir, plan)
+        jobs = submit_qualification(manifest.name, plan, run_dir, self.engine, self.profile,
+                                    stages=None if all_stages else stages, dry_run=self.dry_run)
+        if self.dry_run or not self.follow:
+            return Submitted(run_dir=run_dir, jobs=jobs, dry_run=self.dry_run)
+        follow_with_progress(run_dir, quiet=self.quiet)
+        return {**write_report(run_dir), "run_dir": str(run_dir)}
+
+    def compare(self, manifests: list[StackManifest], plan: Plan, compare_dir: Path,
+                stages: dict[str, list[str]]) -> dict[str, Any] | Submitted:
+        names = [manifest.name for manifest in manifests]
+        for name in names:
+            check_run_dir(compare_dir / "arms" / name, plan)
+        jobs = submit_comparison(names, plan, compare_dir, self.engine, self.profile, dry_run=self.dry_run)
+        if self.dry_run or not self.follow:
+            return Submitted(run_dir=compare_dir, jobs=jobs, dry_run=self.dry_run)
+        follow_with_progress(compare_dir, quiet=self.quiet)
+        if not (compare_dir / "comparison.json").is_file():
+            raise EngineError(f"the report job wrote no comparison.json; `runner status {compare_dir}` shows why")
+        return json.loads((compare_dir / "comparison.json").read_text())
+
+
+def follow_with_progress(target: Path, *, quiet: bool) -> dict[str, Any]:
+    """Follows the run's Slurm jobs with one line per job (state, reason, stages done)."""
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
+                  disable=quiet) as progress:
+        lines: dict[str, Any] = {}
+
+        def update(current: dict[str, Any]) -> None:
+            for row in current["jobs"]:
+                if row["name"] not in lines:
+                    lines[row["name"]] = progress.add_task("", total=1)
+                stages = row.get("stages") or {}
+                done = ", ".join(f"{stage} {status}" for stage, status in stages.items())
+                reason = f" ({row['reason']})" if row["reason"] else ""
+                progress.update(lines[row["name"]], description=f"{row['name']} job {row['job_id']}: "
+                                                                f"{row['state']}{reason}{'; ' + done if done else ''}",
+                                completed=1 if row["state"] in ENDED else 0)
+
+        return follow(target, update)
 
 
 def _write_script(path: Path, text: str) -> Path:

@@ -21,7 +21,7 @@ from typing import Any
 
 from runner_contracts import StageRequest
 
-from ._engine import (
+from .jobs import (
     STACK_PREFIX,
     RunOutcome,
     ServiceHandle,
@@ -33,10 +33,10 @@ from ._engine import (
     start_process_service,
     write_request,
 )
-from ._errors import EngineError
-from ._images import cached_sha256
-from ._paths import cache_dir
-from ._stacks import StackManifest
+from .._errors import EngineError
+from .images import cached_sha256
+from .._paths import cache_dir
+from .._stacks import StackManifest
 
 
 @dataclass(frozen=True)

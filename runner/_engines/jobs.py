@@ -1,26 +1,20 @@
-"""The local engine: one virtualenv per stack, keyed by lock hash, under the user cache.
-
-The heavy part (the stack's lock) is installed once per (lock, Python); our own small packages
-(contracts, tasks, the adapter) are reinstalled whenever their content hash changes. Adapters run as a
-subprocess in their own process group, with an allow-listed environment, cwd in their output folder,
-logs to files, and a wall-clock limit that kills the whole group.
-"""
+"""What every engine shares: the stack environment and job outcome records, the job environment
+(offline flags, private HOME, an allow-list of host variables), read-only inputs, and the job runner:
+a job in its own session with a fresh token, logs to files, a wall-clock limit or a kill condition that
+kills its group, and whatever it started ended with it; a long-running service job and its readiness
+wait on service.json."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import glob
 import hashlib
 import json
 import os
-import platform
 import re
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,14 +24,11 @@ from pathlib import Path
 from runner_contracts import StageRequest, write_record
 from runner_contracts.processes import JOB_TOKEN_VAR, die_with_parent, end_job
 
-from ._errors import EngineError
-from ._paths import cache_dir, local_packages
-from ._stacks import StackManifest
+from .._errors import EngineError
+from .._stacks import StackManifest
 
-ENV_MARKER = ".runner-env.json"
-LOCAL_MARKER = ".runner-local.json"
-# Variables a stack process may see; everything else of the caller's environment is dropped.
 STACK_PREFIX = Path("/opt/stack")  # the stack's virtualenv inside its image or SIF
+# Variables a stack process may see; everything else of the caller's environment is dropped.
 PASSTHROUGH = ("LANG", "LC_ALL", "TZ", "SSL_CERT_FILE", "PIP_CERT", "PIP_INDEX_URL", "PIP_FIND_LINKS")
 FIXED_ENV = {
     "HF_HUB_OFFLINE": "1",
@@ -84,21 +75,6 @@ class RunOutcome:
         return self.exit_code == 0 and not self.killed and not self.timed_out
 
 
-def find_python(version: str) -> tuple[Path, str]:
-    """An interpreter whose version starts with `version` (e.g. "3.11"), and its full version."""
-    candidates = [shutil.which(f"python{version}"), f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
-    candidates += sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}")),
-                         reverse=True)
-    for candidate in candidates:
-        if candidate and os.access(candidate, os.X_OK):
-            full = subprocess.run([candidate, "-c", "import platform; print(platform.python_version())"],
-                                  capture_output=True, text=True, check=False).stdout.strip()
-            if full.startswith(version + ".") or full == version:
-                return Path(candidate), full
-    raise EngineError(f"no Python {version} interpreter found (looked for python{version} on PATH, /usr/bin, "
-                      "~/.pyenv/versions); install it or change the stack's manifest")
-
-
 def tree_hash(roots: list[Path]) -> str:
     """sha256 over the source files (path + bytes) of our local packages, build outputs excluded."""
     digest = hashlib.sha256()
@@ -114,7 +90,7 @@ def tree_hash(roots: list[Path]) -> str:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -122,16 +98,6 @@ def _file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _run_logged(cmd: list[str], log: Path, what: str) -> None:
-    with open(log, "a") as handle:
-        handle.write(f"$ {' '.join(cmd)}\n")
-        handle.flush()
-        result = subprocess.run(cmd, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False)
-    if result.returncode != 0:
-        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
-        raise EngineError(f"{what} failed (exit {result.returncode}); log: {log}\n{tail}")
 
 
 def read_only_inputs(request: StageRequest, *, outside: Path | None = None) -> list[Path]:
@@ -175,81 +141,6 @@ def scrubbed_env(python_bin_dir: Path, home: Path) -> dict[str, str]:
                 if not (key == "LANG" and "LANG" in env)})
     (home / "tmp").mkdir(parents=True, exist_ok=True)
     return env
-
-
-class LocalEngine:
-    """Per-stack virtualenvs on this host (the embedded default)."""
-
-    name = "local"
-
-    def __init__(self, cache_root: Path | None = None, log: Callable[[str], None] = lambda message: None):
-        self.root = (cache_root or cache_dir()) / "envs"
-        self.log = log
-
-    def environment_key(self, manifest: StackManifest, python_version: str) -> str:
-        digest = hashlib.sha256(manifest.lock_bytes())
-        digest.update("\0".join(manifest.pip_args).encode())
-        digest.update(f"\0{python_version}\0{platform.machine()}\0{sys.platform}".encode())
-        return digest.hexdigest()[:16]
-
-    def env_path(self, manifest: StackManifest, python_version: str) -> Path:
-        """Where the stack's environment for this Python lives (built or not)."""
-        return self.root / f"{manifest.image_name}-{self.environment_key(manifest, python_version)}"
-
-    def prepare(self, manifest: StackManifest) -> StackEnvironment:
-        """Builds or reuses the stack's environment and brings our local packages up to date."""
-        interpreter, python_version = find_python(manifest.python)
-        path = self.env_path(manifest, python_version)
-        log = path.with_name(path.name + ".build.log")
-        with _file_lock(path.with_name(path.name + ".lock")):
-            if not (path / ENV_MARKER).is_file():
-                self.log(f"building {manifest.name} environment (Python {python_version}, lock "
-                         f"{manifest.lock_sha256[:12]}) in {path}")
-                shutil.rmtree(path, ignore_errors=True)
-                log.write_text("")
-                _run_logged([str(interpreter), "-m", "venv", str(path)], log, "creating the virtualenv")
-                _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps",
-                             "--disable-pip-version-check", *manifest.pip_args, "-r", str(manifest.lock)], log,
-                            f"installing the {manifest.name} lock")
-                marker = {"lock_sha256": manifest.lock_sha256, "python": python_version, "built_at": time.time()}
-                (path / ENV_MARKER).write_text(json.dumps(marker))
-            else:
-                self.log(f"reusing {manifest.name} environment {path}")
-            sources = [*local_packages().values(), manifest.adapter_package]
-            source_hash = tree_hash(sources)
-            marker_path = path / LOCAL_MARKER
-            if not marker_path.is_file() or json.loads(marker_path.read_text()).get("sha256") != source_hash:
-                self.log(f"installing contracts, tasks and the {manifest.name} adapter into {path.name}")
-                # Build from clean copies: setuptools leaves build/ in the source tree, and a stale
-                # build/lib would ship modules that no longer exist.
-                with tempfile.TemporaryDirectory(prefix="runner-src-") as scratch:
-                    copies = [shutil.copytree(src, Path(scratch) / src.name,
-                                              ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-                              for src in sources]
-                    _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps",
-                                 "--no-build-isolation", "--force-reinstall", "--disable-pip-version-check",
-                                 "--no-cache-dir", *manifest.pip_args, *map(str, copies)], log,
-                                "installing local packages")
-                marker_path.write_text(json.dumps({"sha256": source_hash}))
-        return StackEnvironment(manifest=manifest, path=path, python_version=python_version,
-                                lock_sha256=manifest.lock_sha256)
-
-    def run(self, env: StackEnvironment, request: StageRequest, *, timeout_s: float,
-            kill_when: Callable[[], bool] | None = None, peer: ServiceHandle | None = None) -> RunOutcome:
-        """Runs the adapter on `request` in its output folder; kills the group on timeout or `kill_when()`.
-        `peer` (the arm's rollout service) needs nothing here: both share the host's loopback."""
-        out_dir, request_path = write_request(request)
-        cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
-        return run_process(cmd, out_dir, scrubbed_env(env.path / "bin", out_dir / ".home"), timeout_s=timeout_s,
-                           kill_when=kill_when)
-
-    def start_service(self, env: StackEnvironment, request: StageRequest, *, ready_timeout_s: float = 300.0,
-                      ) -> ServiceHandle:
-        """Starts the adapter's long-running `serve` job and waits for its service.json (url, pid)."""
-        out_dir, request_path = write_request(request)
-        cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
-        return start_process_service(cmd, out_dir, scrubbed_env(env.path / "bin", out_dir / ".home"),
-                                     what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s)
 
 
 def _start_job(cmd: list[str], out_dir: Path, env: dict[str, str], stdout, stderr) -> tuple[subprocess.Popen, str]:

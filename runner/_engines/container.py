@@ -21,7 +21,7 @@ from typing import Any
 
 from runner_contracts import StageRequest
 
-from ._engine import (
+from .jobs import (
     STACK_PREFIX,
     RunOutcome,
     StackEnvironment,
@@ -32,9 +32,9 @@ from ._engine import (
     watch,
     write_request,
 )
-from ._errors import EngineError
-from ._images import StackImage, build_stack_image, connect, stack_image
-from ._stacks import StackManifest
+from .._errors import EngineError
+from .images import StackImage, build_stack_image, connect, stack_image
+from .._stacks import StackManifest
 
 CONTAINER_USER = (1000, 1000)  # the images' non-root user, used when the runner itself runs as root
 LABEL_OWNER = "runner.owner-pid"

@@ -1,0 +1,88 @@
+"""One qualification arm, stage by stage: each stage (a module here) runs its adapter jobs through the
+arm's engine and audits the files on the host; the evidence module writes what each stage found. The
+first stage that does not pass stops the arm."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from runner_contracts import ErrorInfo, Evidence, RecordError, write_record
+
+from .._errors import EngineError
+from .arm import AdapterFailed, Arm, StageOutput, default_run_dir, now, prepare_arm
+from .evidence import earlier_evidence, mark_interrupted, set_aside, write_skipped, write_stage_evidence
+from .evaluate import stage_evaluate
+from .probe import stage_probe
+from .resume import stage_resume
+from .rollout import stage_rollout
+from .service import stage_service
+from .training import stage_train, stage_update
+
+STAGE_FUNCTIONS: dict[str, Callable[[Arm], StageOutput]] = {
+    "probe": stage_probe, "service": stage_service, "rollout": stage_rollout, "update": stage_update,
+    "resume": stage_resume, "train": stage_train, "evaluate": stage_evaluate,
+}
+STAGES = tuple(STAGE_FUNCTIONS)
+# SFT trains on demonstrations, not sampled episodes: there is no rollout to audit.
+RECIPE_STAGES = {"grpo": STAGES, "sft": tuple(s for s in STAGES if s != "rollout")}
+
+__all__ = ["RECIPE_STAGES", "STAGES", "Arm", "default_run_dir", "prepare_arm", "run_arm", "run_stage"]
+
+
+def run_stage(arm: Arm, stage: str) -> Evidence:
+    started = now()
+    arm.stage_dir(stage).mkdir(parents=True, exist_ok=True)
+    try:
+        output = STAGE_FUNCTIONS[stage](arm)
+    except AdapterFailed as failure:
+        output = StageOutput(error=failure.info)
+    except RecordError as error:
+        output = StageOutput(error=ErrorInfo(kind="contract-violation", message=str(error)))
+    except EngineError as error:
+        output = StageOutput(error=ErrorInfo(kind="engine", message=str(error)))
+    except FileNotFoundError as error:
+        output = StageOutput(error=ErrorInfo(kind="missing-output", message=f"adapter did not write {error.filename}"))
+    except BaseException:
+        # SIGTERM (a Slurm signal before the time limit, a preemption), Ctrl-C: the stage's files stay,
+        # marked as interrupted; `runner qualify --resume` sets them aside and runs the stage again.
+        mark_interrupted(arm, stage, arm.stage_dir(stage), "the runner was stopped during this stage",
+                         started=started, environment=arm.environment)
+        raise
+    return write_stage_evidence(arm, stage, output, started)
+
+
+def run_arm(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | None = None, *,
+            resume: bool = False) -> list[Evidence]:
+    """Runs the stages in order; a stage that does not pass stops the arm (later stages: skipped).
+    With `resume`, stages that already passed in this run directory are kept, and a stage left behind
+    by an interrupted run is set aside (marked) and run again."""
+    write_record(arm.run_dir / "plan.json", arm.plan)
+    notify = on_stage or (lambda stage, status: None)
+    results: list[Evidence] = []
+    stopped = False
+    try:
+        for stage in stages:
+            if resume and not stopped:
+                earlier = earlier_evidence(arm, stage)
+                if earlier is not None and earlier.status == "passed" and earlier.plan_id == arm.plan.plan_id:
+                    if stage == "probe":
+                        arm.environment = earlier.environment  # later stages record it; no second read
+                    results.append(earlier)
+                    notify(stage, "passed")
+                    continue
+                if arm.stage_dir(stage).exists() and (earlier is None or earlier.status != "skipped"):
+                    arm.interrupted[stage] = set_aside(arm, stage)
+            if stopped:
+                results.append(write_skipped(arm, stage))
+                continue
+            notify(stage, "start")
+            if stage != "probe" and arm.environment is None:
+                probe = earlier_evidence(arm, "probe")
+                arm.environment = probe.environment if probe else None
+            evidence = run_stage(arm, stage)
+            stopped = evidence.status != "passed"
+            notify(stage, evidence.status)
+            results.append(evidence)
+    finally:
+        arm.close()
+    return results

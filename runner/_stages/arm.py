@@ -1,0 +1,184 @@
+"""The arm: one stack on one frozen plan, its environments, and how a stage runs one adapter job."""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runner_contracts import (
+    PARTIAL_SUFFIX,
+    Checkpoint,
+    EnvironmentInfo,
+    ErrorInfo,
+    GateResult,
+    Plan,
+    RecordError,
+    StageRequest,
+    StageResult,
+    read_jsonl,
+    read_record,
+)
+
+from .._engines import Engine, Service
+from .._engines.jobs import RunOutcome, StackEnvironment, last_error_lines
+from .._errors import UserError
+from .._stacks import StackManifest, get_stack
+
+TRAINING_JOBS = ("update", "train")  # adapter jobs that train (the resume stage runs "train" jobs)
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class Arm:
+    """One stack on one plan. For an environment stack, `env` is its trainer's environment and
+    `service_env` the stack's own, which serves rollouts to the trainer while the arm runs. `gpu_env` is the
+    stack's GPU environment on GPU plans (stack.toml [gpu]): its training jobs run there instead."""
+
+    manifest: StackManifest
+    engine: Engine
+    env: StackEnvironment
+    plan: Plan
+    run_dir: Path
+    on_event: Callable[[str, str], None] = lambda stage, message: None
+    environment: EnvironmentInfo | None = None
+    started: float = field(default_factory=time.monotonic)
+    first_update_s: float | None = None
+    service_env: StackEnvironment | None = None
+    service: Service | None = None
+    interrupted: dict[str, Path] = field(default_factory=dict)  # stage -> its set-aside interrupted attempt
+    gpu_env: StackEnvironment | None = None
+
+    def trains_on_gpu(self, job: str) -> bool:
+        """Whether an adapter job of this stage name runs in the stack's GPU environment."""
+        return self.gpu_env is not None and job in TRAINING_JOBS
+
+    @property
+    def run_id(self) -> str:
+        return self.run_dir.name
+
+    def rollout_service_url(self) -> str:
+        """The environment stack's rollout service, started on first use and kept for the arm."""
+        assert self.service_env is not None
+        if self.service is None or not self.service.alive():
+            request = StageRequest(run_id=self.run_id, stack=self.manifest.name, stage="serve", plan=self.plan,
+                                   out_dir=str((self.run_dir / "service").resolve()),
+                                   policy_dir=str(self.policy_dir))
+            self.service = self.engine.start_service(self.service_env, request)
+        return self.service.url
+
+    @property
+    def policy_dir(self) -> Path:
+        assert self.plan.policy.path
+        return Path(self.plan.policy.path)
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.run_dir / "stages" / stage
+
+    def close(self) -> None:
+        if self.service is not None:
+            self.service.stop()
+            self.service = None
+
+
+def prepare_arm(manifest: StackManifest, engine: Engine, plan: Plan, run_dir: Path) -> Arm:
+    """Environments for one arm: the stack's own, plus its trainer's for an environment stack, plus its GPU
+    environment on a GPU plan when it has one."""
+    gpu_env = engine.prepare(manifest.for_gpu()) if plan.budget.gpus and manifest.gpu else None
+    if manifest.is_environment:
+        trainer = get_stack(manifest.trainer or "")
+        return Arm(manifest=manifest, engine=engine, env=engine.prepare(trainer), plan=plan, run_dir=run_dir,
+                   service_env=engine.prepare(manifest), gpu_env=gpu_env)
+    return Arm(manifest=manifest, engine=engine, env=engine.prepare(manifest), plan=plan, run_dir=run_dir,
+               gpu_env=gpu_env)
+
+
+@dataclass
+class StageOutput:
+    """What a stage function returns; the evidence module turns it into evidence.json."""
+
+    metrics: dict[str, Any] = field(default_factory=dict)
+    gates: list[GateResult] = field(default_factory=list)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    error: ErrorInfo | None = None
+
+
+def default_run_dir(stack: str, plan: Plan, base: Path = Path("runs")) -> Path:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return base / f"{stamp}-{stack}-{re.sub(r'[^A-Za-z0-9_.-]', '_', plan.name)}"
+
+
+def check_run_dir(target: Path, plan: Plan) -> None:
+    """Refuses a run directory that already holds another plan's arm."""
+    if target.exists() and (target / "plan.json").is_file():
+        existing = read_record(target / "plan.json", Plan)
+        if existing.plan_id != plan.plan_id:
+            raise UserError(f"run directory {target}: holds plan {(existing.plan_id or '')[:12]}, not "
+                            f"{(plan.plan_id or '')[:12]}; arms with different plans are never mixed")
+
+
+class AdapterFailed(Exception):
+    def __init__(self, info: ErrorInfo):
+        super().__init__(info.message)
+        self.info = info
+
+
+def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None, resume_from: Path | None = None,
+                options: dict[str, Any] | None = None, kill_when: Callable[[], bool] | None = None,
+                allow_kill: bool = False, in_stack_env: bool = False,
+                on_gpu: bool = False) -> tuple[RunOutcome, StageResult | None]:
+    """Runs one adapter job. Environment-stack arms run trainer jobs against their rollout service;
+    `in_stack_env` runs the job in the environment stack's own environment instead. Training jobs of an arm
+    with a GPU environment, and jobs with `on_gpu`, run in that environment (the stack trains itself)."""
+    options = dict(options or {})
+    env = arm.env
+    on_gpu = on_gpu or arm.trains_on_gpu(stage)
+    if on_gpu:
+        assert arm.gpu_env is not None
+        env, in_stack_env = arm.gpu_env, True
+    elif arm.service_env is not None:
+        if in_stack_env:
+            env = arm.service_env
+        else:
+            options["rollout_service"] = arm.rollout_service_url()
+    request = StageRequest(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan=arm.plan,
+                           out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir), steps=steps,
+                           resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
+    peer = arm.service if arm.service_env is not None and not in_stack_env else None
+    outcome = arm.engine.run(env, request, timeout_s=arm.plan.budget.wall_clock_s, kill_when=kill_when, peer=peer)
+    if not outcome.ok and not in_stack_env:
+        # A trainer that died mid-batch leaves the rollout service working for a dead policy server
+        # (some upstreams retry a refused connection forever): the next job gets a fresh service.
+        arm.close()
+    result = None
+    if (out_dir / "result.json").is_file():
+        try:
+            result = read_record(out_dir / "result.json", StageResult)
+        except RecordError as error:
+            raise AdapterFailed(ErrorInfo(kind="bad-result", message=str(error))) from None
+    if outcome.killed and allow_kill:
+        return outcome, result
+    if outcome.timed_out:
+        raise AdapterFailed(ErrorInfo(kind="timeout", message=f"{stage} exceeded the plan's wall_clock_s "
+                                      f"({arm.plan.budget.wall_clock_s:g} s); process group killed"))
+    if not outcome.ok:
+        message = (result.error.message if result and result.error else "") or last_error_lines(outcome.stderr)
+        kind = result.error.kind if result and result.error else "adapter-exit"
+        raise AdapterFailed(ErrorInfo(kind=kind, message=f"adapter exited {outcome.exit_code}: {message}"
+                                      f" (logs: {outcome.stderr})"))
+    return outcome, result
+
+
+def read_any(folder: Path, name: str, record_type):
+    """Records of a finished file, or of its .partial twin left by a killed writer (whole lines only)."""
+    if (folder / name).is_file():
+        return read_jsonl(folder / name, record_type)
+    partial = folder / (name + PARTIAL_SUFFIX)
+    return read_jsonl(partial, record_type, allow_truncated_tail=True) if partial.is_file() else []

@@ -1,0 +1,103 @@
+"""Host audits shared by the rollout and training stages: the trace audit (trained tokens are the sampled
+tokens, masks, logprobs, revisions), an environment arm's policy-server calls, a rollout ledger a stack
+reports for a sampler that keeps no call log, and generation throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from qualification.gates import TraceAudit, call_gates
+from runner_contracts import GateResult, PolicyCall, RolloutLedger, StageResult, TrainingRow, Trajectory, iter_jsonl
+
+from .._policy import vocab_size
+from .arm import Arm, read_any
+
+
+def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] | None) -> tuple[list[GateResult], dict]:
+    audit = TraceAudit(vocab_size=vocab_size(arm.policy_dir), group_size=arm.plan.budget.generations_per_prompt,
+                       tolerance=arm.plan.gates.logprob_tolerance)
+    audit.add_trajectories(record for _, record in iter_jsonl(out / "trajectories.jsonl", Trajectory))
+    audit.add_rows(record for _, record in iter_jsonl(out / "training.jsonl", TrainingRow))
+    gates = audit.gates()
+    if signal:
+        gates += audit.degeneracy_gates(arm.plan.gates.min_groups_with_variance)
+    gates.append(audit.revision_gate(arm.plan.policy.sha256 or "", revisions or {}))
+    metrics = {
+        "episodes": audit.counts["episodes"], "policy_tokens": audit.counts["policy_tokens"],
+        "trained_tokens": audit.counts["trained_tokens"], "max_logprob_gap": audit.max_logprob_gap,
+        "episodes_with_tool_calls": audit.counts["episodes_with_tool_calls"],
+        "groups_with_variance": sum(1 for r in audit.group_rewards.values() if len(set(r)) > 1),
+        "groups": len(audit.group_rewards),
+        "reward_per_step": audit.reward_per_step(),
+    }
+    return gates, metrics
+
+
+def environment_arm_audit(arm: Arm, out: Path, result: StageResult | None) -> tuple[list[GateResult], dict]:
+    """Policy-server calls against the trajectories, and the bridge's batch figures."""
+    if arm.service_env is None:
+        return [], {}
+    trajectories = read_any(out, "trajectories.jsonl", Trajectory)
+    gates, metrics = call_gates(read_any(out, "calls.jsonl", PolicyCall), trajectories)
+    batches = (result.metrics.get("batches") if result else None) or []
+    for key in ("continuity_breaks", "untrained_calls", "failed_episodes", "retried_episodes",
+                "environment_restarts", "faults_injected", "episodes_without_calls", "rows_from_stack_capture",
+                "stack_capture_mismatches"):
+        metrics[key] = sum(batch.get(key, 0) for batch in batches)
+    if metrics["rows_from_stack_capture"]:
+        gates.append(GateResult(
+            name="calls:stack-capture-equals-server", passed=metrics["stack_capture_mismatches"] == 0,
+            measured=metrics["stack_capture_mismatches"], threshold=0,
+            detail=f"{metrics['rows_from_stack_capture']} episodes trained from the stack's own token capture; "
+                   "each capture's prompt and sampled ids equal the policy server's log"))
+    return gates, metrics
+
+
+def sampling_audit(arm: Arm, job: str, out: Path, result: StageResult | None) -> tuple[list[GateResult], dict]:
+    """What a job's trajectories are checked against: the rollout ledger when the stack reports one (its
+    sampler keeps no call log), else an environment arm's policy-server log. A job in the stack's GPU
+    environment samples with the stack's own servers, so without a ledger nothing records what it sampled."""
+    if result is not None and result.rollout_ledger is not None:
+        return ledger_audit(out, result.rollout_ledger)
+    if arm.trains_on_gpu(job):
+        return [GateResult(name="calls:rollouts-accounted", passed=False, measured=None, threshold="a rollout ledger",
+                           detail="the job trained with the stack's own sampler and reported no rollout ledger")], {}
+    return environment_arm_audit(arm, out, result)
+
+
+def ledger_audit(out: Path, ledger: RolloutLedger) -> tuple[list[GateResult], dict]:
+    """Every rollout the stack's runner claimed has a trajectory (the stack's capture of what was sampled),
+    a failed one marked error, and the runner did not stop early."""
+    trajectories = read_any(out, "trajectories.jsonl", Trajectory)
+    failed = sum(1 for t in trajectories if t.outcome == "error")
+    accounted = (len(trajectories) == ledger.claimed == ledger.succeeded + ledger.failed
+                 and failed == ledger.failed and not ledger.worker_error)
+    gate = GateResult(
+        name="calls:rollouts-accounted", passed=accounted, measured=len(trajectories), threshold=ledger.claimed,
+        detail=f"{ledger.claimed} rollouts run by the stack's rollout runner ({ledger.failed} failed: "
+               f"{'; '.join(ledger.failures[:2]) or 'none'}); {len(trajectories)} trajectories from the "
+               f"trainer's completed rollouts, {failed} marked error"
+               + (f"; runner stopped: {ledger.worker_error}" if ledger.worker_error else ""))
+    return [gate], {"failed_episodes": failed, "rollouts": msgspec.to_builtins(ledger)}
+
+
+def throughput(arm: Arm, result: StageResult | None, metrics: dict[str, Any]) -> dict[str, float]:
+    """Episodes and policy tokens per second of generation: the rollout service's batches for environment
+    arms (environment + policy server), TRL's generate-and-score for the trl arm."""
+    if result is None:
+        return {}
+    if arm.service_env is not None:
+        parts = result.metrics.get("batches") or []
+        seconds = sum(batch.get("rollout_s", 0.0) for batch in parts)
+        episodes = sum(batch.get("episodes", 0) for batch in parts)
+    else:
+        parts = result.metrics.get("steps") or []
+        seconds = sum(step.get("generate_s", 0.0) for step in parts)
+        episodes = len(parts) * arm.plan.budget.prompts_per_step * arm.plan.budget.generations_per_prompt
+    if not seconds:
+        return {}
+    return {"rollouts_per_s": round(episodes / seconds, 3),
+            "policy_tokens_per_s": round(metrics.get("policy_tokens", 0) / seconds, 1)}

@@ -1,0 +1,21 @@
+"""The evaluate stage: the base and the trained policy, greedy, on the held-out and retention splits;
+paired statistics decide the verdicts."""
+
+from __future__ import annotations
+
+from qualification.gates import evaluate_gates, latest_complete_checkpoint
+from runner_contracts import ErrorInfo, EvalRecord, read_jsonl
+
+from .arm import Arm, StageOutput, run_adapter
+
+
+def stage_evaluate(arm: Arm) -> StageOutput:
+    trained = latest_complete_checkpoint(arm.stage_dir("train") / "checkpoints")
+    if trained is None:
+        return StageOutput(error=ErrorInfo(kind="missing-input", message="evaluate needs the train stage's final "
+                                           "checkpoint in this run directory; run the train stage first"))
+    out = arm.stage_dir("evaluate")
+    _, result = run_adapter(arm, "evaluate", out, options={"trained_policy": str(trained.resolve())})
+    gates, summary = evaluate_gates(read_jsonl(out / "eval.jsonl", EvalRecord), arm.plan.gates.retention_margin,
+                                    arm.plan.gates.confidence)
+    return StageOutput(metrics={"trained_policy": trained.name, "decoding": "greedy", **summary}, gates=gates)

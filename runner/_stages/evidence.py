@@ -1,0 +1,88 @@
+"""Evidence files: what a stage wrote (artifacts with hashes and record counts, partial files marked), the
+evidence.json of a finished, skipped or interrupted stage, and setting an interrupted stage aside so a
+resumed run keeps every file it left."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+from runner_contracts import (
+    PARTIAL_SUFFIX,
+    Artifact,
+    EnvironmentInfo,
+    ErrorInfo,
+    Evidence,
+    RecordError,
+    read_record,
+    sha256_file,
+    write_record,
+)
+
+from .arm import Arm, StageOutput, now
+
+
+def artifacts(arm: Arm, folder: Path) -> list[Artifact]:
+    found = []
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file() or "checkpoints" in path.parts or path.name.startswith("."):
+            continue
+        partial = path.name.endswith(PARTIAL_SUFFIX)
+        records = None
+        if path.name.endswith(".jsonl") or (partial and ".jsonl" in path.name):
+            with open(path, "rb") as handle:
+                records = sum(1 for line in handle if line.endswith(b"\n"))
+        found.append(Artifact(path=str(path.relative_to(arm.run_dir)), sha256=sha256_file(path),
+                              bytes=path.stat().st_size, records=records, partial=partial))
+    return found
+
+
+def write_stage_evidence(arm: Arm, stage: str, output: StageOutput, started: str) -> Evidence:
+    """evidence.json of a stage that ran: error if it raised one, passed only if it has gates and all passed."""
+    if output.error is not None:
+        status = "error"
+    else:
+        status = "passed" if output.gates and all(g.passed for g in output.gates) else "failed"
+    folder = arm.stage_dir(stage)
+    evidence = Evidence(
+        run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status=status,
+        started_at=started, finished_at=now(), environment=arm.environment, metrics=output.metrics,
+        artifacts=artifacts(arm, folder), checkpoints=output.checkpoints, gates=output.gates, error=output.error)
+    write_record(folder / "evidence.json", evidence)
+    return evidence
+
+
+def write_skipped(arm: Arm, stage: str) -> Evidence:
+    evidence = Evidence(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "",
+                        status="skipped", started_at=now(), finished_at=now(),
+                        error=ErrorInfo(kind="skipped", message="an earlier stage did not pass"))
+    write_record(arm.stage_dir(stage) / "evidence.json", evidence)
+    return evidence
+
+
+def mark_interrupted(arm: Arm, stage: str, folder: Path, message: str, *, started: str | None = None,
+                     environment: EnvironmentInfo | None = None) -> None:
+    """Evidence for a stage the run stopped in: status error, kind interrupted, the files it left."""
+    write_record(folder / "evidence.json", Evidence(
+        run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status="error",
+        started_at=started or now(), finished_at=now(), environment=environment, artifacts=artifacts(arm, folder),
+        error=ErrorInfo(kind="interrupted", message=message)))
+
+
+def earlier_evidence(arm: Arm, stage: str) -> Evidence | None:
+    """The stage's evidence already in the run directory (None if missing or unreadable)."""
+    with contextlib.suppress(RecordError, FileNotFoundError):
+        return read_record(arm.stage_dir(stage) / "evidence.json", Evidence)
+    return None
+
+
+def set_aside(arm: Arm, stage: str) -> Path:
+    """Moves an interrupted stage's folder to <stage>.attempt-<n> and marks it: nothing it wrote is lost."""
+    folder = arm.stage_dir(stage)
+    number = 1 + sum(1 for _ in folder.parent.glob(f"{stage}.attempt-*"))
+    target = folder.with_name(f"{stage}.attempt-{number}")
+    folder.rename(target)
+    if not (target / "evidence.json").is_file():
+        mark_interrupted(arm, stage, target, f"the run stopped during this stage; set aside by a resumed run as "
+                                             f"{target.name}")
+    return target

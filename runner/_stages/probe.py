@@ -1,0 +1,94 @@
+"""The probe stage: the stack's environment reports itself (Python, packages, capabilities, what a job can
+reach); the host checks it against the stack's manifest, lock and pin record. An environment arm probes
+its trainer's environment too, a GPU plan the stack's GPU environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from qualification.gates import lock_gate
+from runner_contracts import EnvironmentInfo, GateResult, StageResult
+
+from .._engines.jobs import StackEnvironment
+from .._pins import check_pins
+from .._stacks import StackManifest, all_stacks, normalise
+from .arm import Arm, StageOutput, run_adapter
+
+
+def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, *, in_stack_env: bool,
+           prefix: str = "probe", on_gpu: bool = False) -> tuple[EnvironmentInfo, StageResult, list[GateResult]]:
+    _, result = run_adapter(arm, "probe", out, in_stack_env=in_stack_env, on_gpu=on_gpu)
+    assert result is not None and result.environment is not None
+    reported = result.environment
+    installed = {normalise(name): version for name, version in reported.packages.items()}
+    environment = msgspec.structs.replace(
+        reported, engine=arm.engine.name, image=env.image, image_digest=env.image_digest,
+        lock_sha256=env.lock_sha256, packages=installed,
+        deviations=list(manifest.deviations),
+        upstream=reported.upstream and msgspec.structs.replace(
+            reported.upstream, git_revision=manifest.upstream.git_revision))
+    missing_caps = sorted(set(manifest.capabilities) - set(result.capabilities) - {"build-policy"})
+    upstream_version = installed.get(normalise(manifest.upstream.name))
+    foreign = {normalise(m.upstream.name) for m in all_stacks().values()
+               if m.name != manifest.name and not normalise(m.upstream.name).startswith("runner-")}
+    if manifest.is_environment and "torch" not in manifest.locked_packages():
+        foreign.add("torch")  # an environment stack that does not pin torch must not have one
+    leaked = sorted(name for name in installed if name in foreign)
+    gates = [
+        msgspec.structs.replace(lock_gate(installed, manifest.locked_packages()), name=f"{prefix}:lock-match"),
+        GateResult(name=f"{prefix}:python", passed=reported.python.startswith(manifest.python + "."),
+                   measured=reported.python, threshold=manifest.python),
+        GateResult(name=f"{prefix}:upstream", passed=upstream_version == manifest.upstream.version,
+                   measured=upstream_version, threshold=manifest.upstream.version,
+                   detail=f"{manifest.upstream.name} as pinned in stack.toml"),
+        GateResult(name=f"{prefix}:capabilities", passed=not missing_caps, measured=result.capabilities,
+                   threshold=list(manifest.capabilities),
+                   detail=f"missing: {missing_caps}" if missing_caps else "adapter reports every declared capability"),
+        _pins_gate(manifest, env, prefix),
+        GateResult(name=f"{prefix}:no-foreign-packages", passed=not leaked, measured=leaked, threshold=[],
+                   detail=(f"found {', '.join(leaked)}" if leaked else
+                           f"no other stack's upstream{' and no torch' if manifest.is_environment else ''} installed")),
+    ]
+    return environment, result, gates
+
+
+def _pins_gate(manifest: StackManifest, env: StackEnvironment, prefix: str) -> GateResult:
+    """The environment was built from the stack's current lock, and the pin record agrees with it."""
+    drift = check_pins(manifest)
+    if env.lock_sha256 != manifest.lock_sha256:
+        drift.insert(0, f"{env.image or env.path} was built from lock {env.lock_sha256[:12]}, the stack's lock is "
+                        f"{manifest.lock_sha256[:12]}")
+    return GateResult(name=f"{prefix}:pins", passed=not drift, measured=len(drift), threshold=0,
+                      detail="; ".join(drift) if drift else
+                      f"built from the pinned lock {manifest.lock_sha256[:12]}"
+                      + (f"; image {env.image} ({env.image_digest})" if env.image else ""))
+
+
+def stage_probe(arm: Arm) -> StageOutput:
+    out = arm.stage_dir("probe")
+    if arm.service_env is None:
+        arm.environment, result, gates = _probe(arm, arm.manifest, arm.env, out, in_stack_env=False)
+        output = StageOutput(metrics={"python": arm.environment.python, "capabilities": result.capabilities,
+                                      **result.metrics}, gates=gates)
+    else:
+        arm.environment, result, gates = _probe(arm, arm.manifest, arm.service_env, out, in_stack_env=True)
+        trainer_env, trainer_result, trainer_gates = _probe(arm, arm.env.manifest, arm.env, out / "trainer",
+                                                            in_stack_env=False, prefix="trainer")
+        output = StageOutput(gates=gates + trainer_gates, metrics={
+            "python": arm.environment.python, "capabilities": result.capabilities, **result.metrics,
+            "trainer": _probed(arm.env.manifest.name, trainer_env, trainer_result)})
+    if arm.gpu_env is not None:
+        gpu_env, gpu_result, gpu_gates = _probe(arm, arm.gpu_env.manifest, arm.gpu_env, out / "gpu",
+                                                in_stack_env=True, prefix="gpu", on_gpu=True)
+        output.gates += gpu_gates
+        output.metrics["gpu_environment"] = _probed(arm.manifest.name, gpu_env, gpu_result)
+    return output
+
+
+def _probed(stack: str, environment: EnvironmentInfo, result: StageResult) -> dict[str, Any]:
+    return {"stack": stack, "python": environment.python, "upstream": msgspec.to_builtins(environment.upstream),
+            "lock_sha256": environment.lock_sha256, **result.metrics}
+
