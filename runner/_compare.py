@@ -11,7 +11,7 @@ from runner_contracts import Evidence, Plan, write_atomic
 from ._errors import UserError
 from ._html import render as render_html
 from ._report import load_run, summary
-
+from ._stages import RECIPE_STAGES, STAGES
 
 
 def _metrics(evidence: list[Evidence], stage: str) -> dict[str, Any]:
@@ -150,9 +150,11 @@ def _same_weights(arm: dict[str, Any], arms: list[dict[str, Any]]) -> str:
     return digest[:12] + (f" (= {', '.join(twins)})" if twins else "")
 
 
-def markdown(plan: Plan, arms: list[dict[str, Any]]) -> str:
+def markdown(plan: Plan, arms: list[dict[str, Any]], stages: list[str]) -> str:
     names = [a["stack"] for a in arms]
     lines = [f"# Comparison on {plan.name}", "", f"- plan_id: `{plan.plan_id}` (every arm ran this plan)",
+             f"- stages: {', '.join(stages)}" + ("" if set(stages) >= set(RECIPE_STAGES[plan.recipe]) else
+                                                 " (a subset: the other stages' figures are blank)"),
              f"- policy: {plan.policy.kind} `{(plan.policy.sha256 or '')[:16]}`, the same bytes for every arm",
              f"- budget: {plan.budget.steps} steps x {plan.budget.prompts_per_step} prompts x "
              f"{plan.budget.generations_per_prompt} generations", "",
@@ -177,9 +179,11 @@ def write_comparison(run_dir: Path, stacks: list[str]) -> dict[str, Any]:
     plan = loaded[0][1]
     datas = [(stack, evidence, summary(plan, evidence)) for stack, _, evidence in loaded]
     arms = [arm_figures(stack, evidence, data) for stack, evidence, data in datas]
-    result = {"plan_id": plan.plan_id, "plan": plan.name, "passed": all(a["passed"] for a in arms), "arms": arms}
+    stages = [stage for stage in STAGES if any(stage in arm["gates"] for arm in arms)]
+    result = {"plan_id": plan.plan_id, "plan": plan.name, "passed": all(a["passed"] for a in arms), "arms": arms,
+              "stages": stages}
     write_atomic(run_dir / "comparison.json", json.dumps(result, indent=2, sort_keys=True).encode() + b"\n")
-    write_atomic(run_dir / "comparison.md", markdown(plan, arms).encode())
+    write_atomic(run_dir / "comparison.md", markdown(plan, arms, stages).encode())
     write_atomic(run_dir / "report.html", render_html(plan, datas, comparison=(
         [a["stack"] for a in arms], table_rows(arms))).encode())
     return result

@@ -62,9 +62,28 @@ def test_engine_and_executor_mistakes_are_one_line_errors(tmp_path, monkeypatch)
          "--image belongs to --executor local"),
         (("status", str(tmp_path)), "no slurm/jobs.json"),
         (("images", "export", "--stack", "trl", "--to", "zip"), "--to 'zip': expected sif, docker-archive or def"),
+        (("compare", "--stacks", "trl,openenv", "--plan", plan, "--stages", "probe,warmup"),
+         "--stages: unknown stage(s) warmup; stages are probe, service"),
     ]
     for args, message in cases:
         result = invoke(*args)
         assert result.exit_code == 2, (args, result.output)
         assert message in " ".join(result.output.split()), (args, result.output)
         assert "Traceback" not in result.output
+
+
+def test_a_slurm_comparison_of_some_stages_puts_them_on_every_arms_run_line(tmp_path):
+    """--stages reaches each arm's batch script (a dry run: written, not submitted); without it the arms
+    run every stage and the line names none."""
+    plan = "qualification/plans/calc-tool-cpu.yaml"
+    for stages, expected in (("rollout,probe", "--stages probe,rollout"), (None, None)):
+        target = tmp_path / (stages or "all")
+        args = ["compare", "--stacks", "trl,openenv", "--plan", plan, "--executor", "slurm", "--dry-run",
+                "--run-dir", str(target)] + (["--stages", stages] if stages else [])
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+        for stack in ("trl", "openenv"):
+            script = (target / "slurm" / f"{stack}.sbatch").read_text()
+            run_line = next(line for line in script.splitlines() if line.startswith("exec "))
+            assert f"--stack {stack}" in run_line
+            assert (expected in run_line) if expected else ("--stages" not in run_line), run_line

@@ -35,7 +35,7 @@ class LocalExecutor:
         return {**self.run_arm(manifest, plan, run_dir, stages, resume=resume), "run_dir": str(run_dir)}
 
     def compare(self, manifests: list[StackManifest], plan: Plan, compare_dir: Path,
-                stages: dict[str, list[str]]) -> dict[str, Any]:
+                stages: dict[str, list[str]], *, all_stages: bool) -> dict[str, Any]:
         for manifest in manifests:
             check_run_dir(compare_dir / "arms" / manifest.name, plan)
         for manifest in manifests:

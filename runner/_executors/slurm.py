@@ -66,11 +66,12 @@ class SlurmExecutor:
         return {**write_report(run_dir), "run_dir": str(run_dir)}
 
     def compare(self, manifests: list[StackManifest], plan: Plan, compare_dir: Path,
-                stages: dict[str, list[str]]) -> dict[str, Any] | Submitted:
+                stages: dict[str, list[str]], *, all_stages: bool) -> dict[str, Any] | Submitted:
         names = [manifest.name for manifest in manifests]
         for name in names:
             check_run_dir(compare_dir / "arms" / name, plan)
-        jobs = submit_comparison(names, plan, compare_dir, self.engine, self.profile, dry_run=self.dry_run)
+        jobs = submit_comparison(names, plan, compare_dir, self.engine, self.profile,
+                                 stages=None if all_stages else stages, dry_run=self.dry_run)
         if self.dry_run or not self.follow:
             return Submitted(run_dir=compare_dir, jobs=jobs, dry_run=self.dry_run)
         follow_with_progress(compare_dir, quiet=self.quiet)
@@ -119,7 +120,7 @@ def submit_qualification(stack: str, plan: Plan, run_dir: Path, engine: str, pro
 
 
 def submit_comparison(stacks: list[str], plan: Plan, compare_dir: Path, engine: str, profile: ClusterProfile, *,
-                      dry_run: bool) -> list[SubmittedJob]:
+                      stages: dict[str, list[str]] | None, dry_run: bool) -> list[SubmittedJob]:
     """One job per arm, each waiting for the previous one (matched arms run one after another on the same
     partition and constraint), then a report job after all of them."""
     write_record(compare_dir / "plan.json", plan)
@@ -127,7 +128,8 @@ def submit_comparison(stacks: list[str], plan: Plan, compare_dir: Path, engine: 
     previous: list[str] = []
     for stack in stacks:
         arm_dir = compare_dir / "arms" / stack
-        job = ArmJob(stack=stack, arm_dir=arm_dir, plan_file=compare_dir / "plan.json", engine=engine)
+        job = ArmJob(stack=stack, arm_dir=arm_dir, plan_file=compare_dir / "plan.json", engine=engine,
+                     stages=tuple(stages[stack]) if stages else None)
         script = _write_script(compare_dir / "slurm" / f"{stack}.sbatch",
                                render_arm(job, plan, profile, command="compare"))
         (arm_dir / "slurm").mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from .._policy import resolve_policy
 from .._stacks import get_stack
 from .._stages import RECIPE_STAGES
 from ._common import cli_errors, console, err_console, print_json
-from .qualify import logger, report_submitted
+from .qualify import logger, parse_stages, report_submitted
 
 
 def compare(
@@ -27,6 +27,9 @@ def compare(
                                                         "qualification/plans/calc-tool-cpu.yaml."),
     engine: str = typer.Option("local", "--engine", help="Where the stacks run: local (per-stack virtualenvs), "
                                                           "docker or podman (each stack's image)."),
+    stages: str = typer.Option(None, "--stages", help="Comma-separated subset every arm runs, e.g. "
+                                                      "probe,service,rollout to screen stacks before training. "
+                                                      "Default: every stage."),
     run_dir: Path = typer.Option(None, "--run-dir", help="Comparison directory (default: runs/<time>-compare-<plan>); "
                                                          "arms go to <run-dir>/arms/<stack>."),
     executor: str = typer.Option("local", "--executor", help="Who runs the arms: local (this host, one after "
@@ -59,8 +62,9 @@ def compare(
             frozen = resolve_policy(plan, LocalEngine(log=logger(json_output)))
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         target = (run_dir or Path("runs") / f"{stamp}-compare-{re.sub(r'[^A-Za-z0-9_.-]', '_', frozen.name)}").resolve()
-        stages = {m.name: [s for s in m.stages if s in RECIPE_STAGES[frozen.recipe]] for m in manifests}
-        result = runner.compare(manifests, frozen, target, stages)
+        selected = {m.name: parse_stages(stages, tuple(s for s in m.stages if s in RECIPE_STAGES[frozen.recipe]),
+                                         m.name) for m in manifests}
+        result = runner.compare(manifests, frozen, target, selected, all_stages=not stages)
         if isinstance(result, Submitted):
             report_submitted(result, json_output=json_output)
             raise typer.Exit(0)

@@ -17,7 +17,7 @@ from .._stages import RECIPE_STAGES, STAGES, default_run_dir
 from ._common import cli_errors, console, err_console, print_json
 
 
-def _parse_stages(text: str | None, available: tuple[str, ...]) -> list[str]:
+def parse_stages(text: str | None, available: tuple[str, ...], stack: str) -> list[str]:
     """Stages to run, in order: the requested ones, or every stage the stack and the recipe have."""
     if not text:
         return [stage for stage in STAGES if stage in available]
@@ -27,7 +27,7 @@ def _parse_stages(text: str | None, available: tuple[str, ...]) -> list[str]:
         raise UserError(f"--stages: unknown stage(s) {', '.join(unknown)}; stages are {', '.join(STAGES)}")
     missing = [s for s in wanted if s not in available]
     if missing:
-        raise UserError(f"--stages: the stack does not provide {', '.join(missing)}")
+        raise UserError(f"--stages: the {stack} stack does not provide {', '.join(missing)}")
     return [stage for stage in STAGES if stage in wanted]
 
 
@@ -83,7 +83,7 @@ def qualify(
     with cli_errors():
         manifest = get_stack(stack)
         plan = load_plan(plan_path)
-        selected = _parse_stages(stages, tuple(s for s in manifest.stages if s in RECIPE_STAGES[plan.recipe]))
+        selected = parse_stages(stages, tuple(s for s in manifest.stages if s in RECIPE_STAGES[plan.recipe]), stack)
         if resume and run_dir is None:
             raise UserError("--resume needs --run-dir: the run to continue")
         runner = make_executor(executor, engine=engine, images={stack: image} if image else None, cluster=cluster,
