@@ -107,7 +107,7 @@ module, _, name = args["backend"].partition(":")
 backend = getattr(importlib.import_module(module), name)()
 backend.start()
 try:
-    policy = PolicyEndpoint(base_url=args["base_url"], model="scripted-policy",
+    policy = PolicyEndpoint(base_url=args["base_url"], model=args["model"],
                             sampling=msgspec.convert(args["sampling"], SamplingSpec))
     for spec in args["episodes"]:
         result = backend.run_episode(msgspec.convert(spec, EpisodeSpec), policy)
@@ -117,18 +117,26 @@ finally:
 """
 
 
+def drive_episodes(env: StackEnvironment, backend: str, base_url: str, episodes: list[EpisodeSpec], *,
+                   model: str = "scripted-policy", timeout: float = 180) -> list[dict]:
+    """The episodes through `backend` ("module:Class") in the stack's environment against the policy at
+    `base_url`; their results, in order (lines an upstream prints besides are skipped)."""
+    args = {"backend": backend, "base_url": base_url, "model": model, "sampling": msgspec.to_builtins(SAMPLING),
+            "episodes": [msgspec.to_builtins(e) for e in episodes]}
+    run = subprocess.run([str(env.python), "-c", DRIVER], input=json.dumps(args), capture_output=True, text=True,
+                         timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
 def run_scripted_episodes(env: StackEnvironment, backend: str, episodes: list[EpisodeSpec],
                           scripts: dict[str, list]) -> tuple[list[dict], list[dict]]:
     """The episodes through `backend` ("module:Class") in the stack's environment against a scripted
     policy: (results, the policy calls it received)."""
     with ScriptedPolicyServer(scripts) as policy:
-        args = {"backend": backend, "base_url": policy.base_url, "sampling": msgspec.to_builtins(SAMPLING),
-                "episodes": [msgspec.to_builtins(e) for e in episodes]}
-        run = subprocess.run([str(env.python), "-c", DRIVER], input=json.dumps(args), capture_output=True,
-                             text=True, timeout=120)
-        assert run.returncode == 0, run.stderr[-3000:]
+        results = drive_episodes(env, backend, policy.base_url, episodes, model=policy.model)
         calls = list(policy.calls)
-    return [json.loads(line) for line in run.stdout.splitlines()], calls
+    return results, calls
 
 
 def assert_scripted_results(results: list[dict], cases: dict[str, tuple], calls: list[dict], channel: str) -> None:

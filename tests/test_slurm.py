@@ -1,6 +1,6 @@
 """The Slurm executor against a real one-node Slurm (tests/slurm_cluster.py: Debian's slurm-wlm + munge on
 loopback, started and stopped here): a qualification submitted and followed, a failing job explained by
-`runner status`, `runner cancel`, a job requeued mid-update that resumes and passes the boundary audit,
+`runner status`, `runner cancel` and a resubmission with --resume, a job requeued mid-update that resumes and passes the boundary audit,
 and a comparison under Slurm equal to the local executor's (same plan id, gate outcomes and tokens).
 
 Slow: the comparison runs two arms as Slurm jobs up to their first update (~3 min on 2 cores) and reads
@@ -79,10 +79,13 @@ def test_a_failing_job_shows_its_error_in_status(cluster, tmp_path):
     assert "no docker engine answers" in job["error"], job
 
 
-def test_cancel_stops_a_running_job_and_marks_its_stage(cluster, tmp_path):
+def test_cancel_stops_a_running_job_and_marks_its_stage_and_resume_continues_it(cluster, tmp_path):
+    """What `runner status` recommends after a job that ended early: submit the arm again into its run
+    directory with --resume; the stages that passed are kept, the interrupted one is set aside and rerun."""
     run_dir = tmp_path / "cancelled"
+    first_stages = ("--stages", "probe,service,rollout")
     submitted = runner(cluster, "qualify", "--stack", "trl", "--plan", str(CALC_PLAN), "--executor", "slurm",
-                       "--no-follow", "--run-dir", str(run_dir), "--json")
+                       *first_stages, "--no-follow", "--run-dir", str(run_dir), "--json")
     assert submitted.returncode == 0, submitted.stderr[-2000:]
     wait_for(lambda: (run_dir / "stages" / "rollout" / "request.json").is_file(), "the rollout stage to start")
     cancelled = runner(cluster, "cancel", str(run_dir))
@@ -94,6 +97,17 @@ def test_cancel_stops_a_running_job_and_marks_its_stage(cluster, tmp_path):
     marked = stage_evidence(run_dir, "rollout")
     assert marked["status"] == "error" and marked["error"]["kind"] == "interrupted"
     assert runner(cluster, "status", str(run_dir)).returncode == 1
+    probe_finished = stage_evidence(run_dir, "probe")["finished_at"]
+
+    resumed = runner(cluster, "qualify", "--stack", "trl", "--plan", str(CALC_PLAN), "--executor", "slurm",
+                     *first_stages, "--resume", "--run-dir", str(run_dir), "--json")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert json.loads(resumed.stdout)["stages"] == {"probe": "passed", "service": "passed", "rollout": "passed"}
+    assert stage_evidence(run_dir, "probe")["finished_at"] == probe_finished  # kept, not run again
+    set_aside = json.loads((run_dir / "stages" / "rollout.attempt-1" / "evidence.json").read_text())
+    assert set_aside["error"]["kind"] == "interrupted"
+    jobs = status(cluster, run_dir)["jobs"]
+    assert [job["state"] for job in jobs] == ["COMPLETED"] and jobs[0]["job_id"] != json.loads(submitted.stdout)["jobs"][0]["job_id"]
 
 
 def test_requeued_mid_update_resumes_from_the_checkpoint_and_passes_the_boundary_audit(cluster, tmp_path):

@@ -28,6 +28,7 @@ from stack_checks import (
     assert_only_its_own_upstream,
     assert_scripted_results,
     assert_service_stage,
+    drive_episodes,
     installed_packages,
     scripted_episodes,
 )
@@ -47,40 +48,13 @@ def test_environment_has_agentlightning_and_verl_and_no_other_stack(env):
     assert installed_packages(env)["verl"] == "0.9.1"
 
 
-DRIVER = r"""
-import json, sys
-from runner_kit.rollout import PolicyEndpoint
-from runner_contracts import EpisodeSpec, SamplingSpec
-import msgspec
-from runner_stack_lightning_verl.backend import LightningBackend
-
-args = json.loads(sys.stdin.read())
-backend = LightningBackend()
-backend.start()
-try:
-    policy = PolicyEndpoint(base_url=args["base_url"], model=args["model"],
-                            sampling=msgspec.convert(args["sampling"], SamplingSpec))
-    for spec in args["episodes"]:
-        result = backend.run_episode(msgspec.convert(spec, EpisodeSpec), policy)
-        print(json.dumps(msgspec.to_builtins(result)), flush=True)
-finally:
-    backend.stop()
-"""
-
-
-def _run_driver(env, base_url: str, model: str, episodes: list[EpisodeSpec], timeout: float = 180) -> list[dict]:
-    args = {"base_url": base_url, "model": model, "sampling": msgspec.to_builtins(SAMPLING),
-            "episodes": [msgspec.to_builtins(e) for e in episodes]}
-    run = subprocess.run([str(env.python), "-c", DRIVER], input=json.dumps(args), capture_output=True, text=True,
-                         timeout=timeout)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+BACKEND = "runner_stack_lightning_verl.backend:LightningBackend"
 
 
 def test_scripted_episodes_score_as_the_reference(env):
     episodes, cases = scripted_episodes()
     with ScriptedPolicyServer({e: c[2]["turns"] for e, c in cases.items()}) as policy:
-        results = _run_driver(env, policy.base_url, policy.model, episodes)
+        results = drive_episodes(env, BACKEND, policy.base_url, episodes, model=policy.model)
         calls = list(policy.calls)
     assert_scripted_results(results, cases, calls, "path")
     # The scripted policy returns no token ids: nothing captured, the trainer would use the server's log.
@@ -149,7 +123,7 @@ def test_gateway_capture_equals_the_policy_servers_log(env, tmp_path):
         episodes = [EpisodeSpec(episode_id=f"real/{index}", task_id=item.task_id, family=family.name,
                                 item=item.to_json(), seed=0, max_turns=plan.budget.max_turns)
                     for index, item in enumerate(family.generate("train", 4, 7))]
-        results = _run_driver(env, base_url, "policy", episodes)
+        results = drive_episodes(env, BACKEND, base_url, episodes, model="policy")
     served = [json.loads(line) for line in Path(calls_path).read_text().splitlines()]
     assert {c["channel"] for c in served} == {"path"} and all(c["episode_id"] for c in served)
     assert [r["episode_id"] for r in results] == [e.episode_id for e in episodes]
