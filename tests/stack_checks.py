@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import msgspec
-from qualification.tasks import FAMILIES, ToolCall, Transcript, get_family
+from qualification.tasks import ToolCall, Transcript, get_family, sources
 from runner_contracts import (
     EpisodeSpec,
     FaultSpec,
@@ -49,7 +49,7 @@ def assert_only_its_own_upstream(env: StackEnvironment) -> None:
 def scripted_episodes(families=None, max_turns: int = 8) -> tuple[list[EpisodeSpec], dict[str, tuple]]:
     """Every scripted case (known-good and known-bad) of one train item of each family."""
     episodes, cases = [], {}
-    for name in sorted(families or FAMILIES):
+    for name in sorted(families or sources()):
         family = get_family(name)
         item = family.generate("train", 1, 1)[0]
         for case in family.scripted_cases(item):

@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from conftest import CALC_PLAN, leftover_processes, wait_until
-from qualification.tasks import FAMILIES, get_family
+from qualification.tasks import get_family, sources
 from runner_contracts import EpisodeSpec
 from runner_kit.policy import openai_tools
 from runner_kit.scripted_policy import ScriptedPolicyServer
@@ -42,7 +42,7 @@ def env():
     return LocalEngine().prepare(get_stack("verifiers"))
 
 
-def scripted_episodes(families=tuple(sorted(FAMILIES)), max_turns: int = 8, all_cases: bool = False):
+def scripted_episodes(families=tuple(sources()), max_turns: int = 8, all_cases: bool = False):
     """Per family one train item's first known-good and first known-bad scripted case (or all cases)."""
     episodes, cases = [], {}
     for name in families:
@@ -216,13 +216,13 @@ import msgspec
 from runner_contracts import EpisodeSpec, RolloutRequest, SamplingSpec
 from runner_kit.policy import openai_tools
 from runner_kit.rollout import BatchRunner
-from qualification.tasks import FAMILIES, TaskItem, get_family
+from qualification.tasks import TaskItem, families, get_family
 from runner_stack_verifiers.backend import VerifiersBackend
 
 args = json.loads(sys.stdin.read())
 tokenizer_dir = Path(args["log_dir"]) / "tokenizer"
 corpus = []
-for family in FAMILIES.values():
+for family in families().values():
     for item in family.generate("train", 20, 1):
         corpus += [family.system_prompt, item.question, json.dumps(openai_tools(family), ensure_ascii=False)]
         corpus += [json.dumps(c["turns"], ensure_ascii=False) for c in family.scripted_cases(item)]

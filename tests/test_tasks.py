@@ -1,8 +1,16 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from qualification.tasks import (
     ToolCall,
     Transcript,
     exact_overlap,
+    families,
     get_family,
+    play_scripted_case,
     split_hash,
     strict_final_answer,
 )
@@ -67,28 +75,11 @@ def test_scripted_cases_match_the_reference_scorer():
         assert any(c["expected_success"] for c in cases) and not all(c["expected_success"] for c in cases)
 
 
-def _score_case(family, item, case):
-    """Runs a scripted case through the family's own tools (replayed) and scorer."""
-    calls = []
-    state = family.initial_state(item)
-    final = ""
-    for turn in case["turns"]:
-        if "tool_call" in turn:
-            call = turn["tool_call"]
-            calls.append(ToolCall(call["name"], call["arguments"],
-                                  family.call_tool(item, state, call["name"], call["arguments"])))
-        elif "text" in turn:
-            final = turn["text"]
-    return family.score(item, Transcript(final_text=final, tool_calls=calls))
-
-
 def test_every_family_scores_its_scripted_cases_as_labelled():
-    from qualification.tasks import FAMILIES
-
-    for family in FAMILIES.values():
+    for family in families().values():
         for item in family.generate("train", 6, 11):
             for case in family.scripted_cases(item):
-                score = _score_case(family, item, case)
+                score = play_scripted_case(family, item, case)
                 assert score.success == case["expected_success"], (family.name, case["case"], score)
                 assert 0.0 <= score.reward <= 1.0
 
@@ -124,24 +115,22 @@ def test_business_comm_is_scored_on_the_final_state():
     family = BusinessComm()
     item = family.generate("train", 1, 4)[0]
     cases = {c["case"]: c for c in family.scripted_cases(item)}
-    right = _score_case(family, item, cases["correct"])
-    informal = _score_case(family, item, cases["informal-address"])
+    right = play_scripted_case(family, item, cases["correct"])
+    informal = play_scripted_case(family, item, cases["informal-address"])
     assert right.success and right.reward == 1.0
     assert not informal.success and informal.components["booking"] == 1.0 and informal.components["formal_address"] == 0.0
-    double = _score_case(family, item, cases["double-booking"])
+    double = play_scripted_case(family, item, cases["double-booking"])
     assert double.components["no_double_booking"] == 0.0
-    leak = _score_case(family, item, cases["discloses-other-customer"])
+    leak = play_scripted_case(family, item, cases["discloses-other-customer"])
     assert leak.components["no_disclosure"] == 0.0 and leak.components["recipient"] == 1.0
 
 
 def test_new_families_keep_heldout_disjoint_and_are_labelled_synthetic():
-    from qualification.tasks import FAMILIES
-
-    assert all(family.synthetic for family in FAMILIES.values())
+    assert all(family.synthetic for family in families().values())
     # Families with a held-out split partition their question space; german-arith is a retention probe
     # over ~130 problems and has no held-out split.
     for name in ("calc-tool", "german-rag-cited", "business-comm"):
-        family = FAMILIES[name]
+        family = get_family(name)
         assert exact_overlap(family.generate("train", 60, 1), family.generate("heldout", 30, 1)) == 0
 
 
@@ -155,3 +144,82 @@ def test_rag_three_passage_questions_need_every_citation():
     partial = family.score(item, Transcript(final_text=f"Antwort: {item.reference['answer']} {' '.join(cites[:2])}"))
     assert full.success and not partial.success
     assert abs(partial.components["citation_recall"] - 2 / 3) < 1e-9 and partial.components["citation_precision"] == 1.0
+
+
+PLUGIN = '''
+from qualification.tasks import Score, TaskItem, Transcript
+
+
+class Echo:
+    """A family from outside this project: repeat the word back."""
+
+    name = "echo"
+    scorer_version = 3
+    synthetic = True
+    system_prompt = "Repeat the word."
+    tools = ()
+    frozen_splits = {"train": (4, 1), "heldout": (4, 2)}
+
+    def generate(self, split, n, seed):
+        return [TaskItem(family=self.name, split=split, task_id=f"echo/{split}/{seed}/{i}",
+                         question=f"word-{split}-{seed}-{i}", reference={"answer": f"word-{split}-{seed}-{i}"})
+                for i in range(n)]
+
+    def initial_state(self, item):
+        return {}
+
+    def call_tool(self, item, state, name, arguments):
+        return "no tools"
+
+    def score(self, item, transcript):
+        ok = transcript.final_text.strip() == item.reference["answer"]
+        return Score(reward=float(ok), success=ok, components={"exact": float(ok)}, outcome="success" if ok else "failure")
+
+    def demonstration(self, item):
+        return [{"role": "assistant", "content": item.reference["answer"]}]
+
+    def scripted_cases(self, item):
+        return [{"case": "right", "expected_success": True, "turns": [{"text": item.reference["answer"]}]},
+                {"case": "mislabelled", "expected_success": BAD, "turns": [{"text": "nope"}]}]
+'''
+
+
+def _plugin_on_path(root: Path, mislabelled: bool) -> dict[str, str]:
+    """A package with a runner.task_families entry point, importable through PYTHONPATH: the metadata
+    importlib.metadata reads from an installed distribution (dist-info), without installing into our venv."""
+    (root / "echo_tasks").mkdir(parents=True)
+    (root / "echo_tasks" / "__init__.py").write_text(PLUGIN.replace("BAD", "True" if mislabelled else "False"))
+    info = root / "echo_tasks-0.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: echo-tasks\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text("[runner.task_families]\necho = echo_tasks:Echo\n")
+    return {**os.environ, "PYTHONPATH": str(root), "COLUMNS": "200"}
+
+
+def test_a_family_from_another_package_is_found_by_its_entry_point_and_checked(tmp_path):
+    runner = str(Path(sys.executable).parent / "runner")
+    env = _plugin_on_path(tmp_path / "good", mislabelled=False)
+    listed = json.loads(subprocess.run([runner, "tasks", "list", "--json"], env=env, capture_output=True, text=True,
+                                       check=True).stdout)
+    echo = next(row for row in listed if row["family"] == "echo")
+    assert (echo["distribution"], echo["version"], echo["source"]) == ("echo-tasks", "0.3", "echo_tasks:Echo")
+    assert echo["splits"]["train"]["n"] == 4 and len(echo["splits"]["heldout"]["sha256"]) == 64
+    assert {"calc-tool", "german-arith"} <= {row["family"] for row in listed}  # ours, through the same group
+    good = subprocess.run([runner, "tasks", "check", "echo", "--json"], env=env, capture_output=True, text=True)
+    assert good.returncode == 0 and json.loads(good.stdout)["problems"] == []
+
+    env = _plugin_on_path(tmp_path / "bad", mislabelled=True)
+    bad = subprocess.run([runner, "tasks", "check", "echo", "-n", "2"], env=env, capture_output=True, text=True)
+    assert bad.returncode == 1
+    assert "echo/train/0/0/mislabelled: scored success=False, labelled True" in " ".join(bad.stderr.split())
+    assert "Traceback" not in bad.stderr
+
+
+def test_a_family_that_misses_part_of_the_interface_is_refused_by_name(tmp_path):
+    env = _plugin_on_path(tmp_path, mislabelled=False)
+    source = tmp_path / "echo_tasks" / "__init__.py"
+    source.write_text(source.read_text().replace("    def scripted_cases(self, item):", "    def cases(self, item):"))
+    result = subprocess.run([str(Path(sys.executable).parent / "runner"), "tasks", "check", "echo"], env=env,
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "task family 'echo' (echo_tasks:Echo) lacks scripted_cases" in " ".join(result.stderr.split())

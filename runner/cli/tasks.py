@@ -1,4 +1,6 @@
-"""`runner tasks`: the task families every arm shares, their frozen splits and sample items."""
+"""`runner tasks`: the task families every arm shares (this project's and any installed package's, found
+through the runner.task_families entry point group), their frozen splits, sample items, and a check of a
+family against its own scorer and tools."""
 
 from __future__ import annotations
 
@@ -7,37 +9,82 @@ import json
 import typer
 from rich.table import Table
 
-from qualification.tasks import FAMILIES, FROZEN_SPLITS, get_family, split_hash
+from qualification.tasks import FamilyError, TaskFamily, check_family, get_family, source_of, sources, split_hash
 
 from .._errors import UserError
-from ._common import cli_errors, console, print_json
+from ._common import cli_errors, console, err_console, print_json
 
 app = typer.Typer(help="Task families (generators, tools, reference scorers) shared by every stack.",
                   no_args_is_help=True)
 
 
+def _family(name: str) -> TaskFamily:
+    try:
+        return get_family(name)
+    except FamilyError as error:
+        raise UserError(str(error)) from None
+
+
 @app.command("list")
 def list_tasks(json_output: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    """Families with their frozen splits (size, seed, content sha256), tools and scorer version."""
+    """Families with where they come from (distribution and version), their frozen splits (size, seed,
+    content sha256), tools and scorer version. A package adds families under the runner.task_families
+    entry point group; install it into the host and list it here."""
     rows = []
-    for name, family in FAMILIES.items():
-        splits = {split: {"n": n, "seed": seed, "sha256": split_hash(family.generate(split, n, seed))}
-                  for split, (n, seed) in FROZEN_SPLITS.get(name, {}).items()}
-        rows.append({"family": name, "synthetic": family.synthetic, "scorer_version": family.scorer_version,
-                     "tools": [tool.name for tool in family.tools], "splits": splits})
+    with cli_errors():
+        for name, source in sources().items():
+            family = _family(name)
+            splits = {split: {"n": n, "seed": seed, "sha256": split_hash(family.generate(split, n, seed))}
+                      for split, (n, seed) in family.frozen_splits.items()}
+            rows.append({"family": name, "source": source.reference, "distribution": source.distribution,
+                         "version": source.version, "synthetic": family.synthetic,
+                         "scorer_version": family.scorer_version, "tools": [tool.name for tool in family.tools],
+                         "splits": splits})
     if json_output:
         print_json(rows)
         return
-    table = Table(title="task families (all synthetic development tracks)")
-    for column in ("family", "scorer", "tools", "split", "n", "seed", "sha256"):
+    table = Table(title="task families")
+    for column in ("family", "from", "scorer", "tools", "split", "n", "seed", "sha256"):
         table.add_column(column)
     for row in rows:
-        for index, (split, info) in enumerate(row["splits"].items()):
+        for index, (split, info) in enumerate(row["splits"].items() or [("-", {"n": "-", "seed": "-", "sha256": "-"})]):
             first = index == 0
-            table.add_row(row["family"] if first else "", f"v{row['scorer_version']}" if first else "",
-                          ", ".join(row["tools"]) or "-" if first else "", split, str(info["n"]), str(info["seed"]),
-                          info["sha256"][:16])
+            origin = f"{row['distribution']} {row['version']}" + ("" if row["synthetic"] else " (real data)")
+            table.add_row(row["family"] if first else "", origin if first else "",
+                          f"v{row['scorer_version']}" if first else "", ", ".join(row["tools"]) or "-" if first else "",
+                          split, str(info["n"]), str(info["seed"]), info["sha256"][:16])
     console.print(table)
+
+
+@app.command("check")
+def check(
+    family_name: str = typer.Argument(..., metavar="FAMILY", help="A family from `runner tasks list`."),
+    n: int = typer.Option(8, "-n", help="Items per split to check."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the generated items."),
+    json_output: bool = typer.Option(False, "--json", help="Print the findings as JSON."),
+) -> None:
+    """Check a family before spending a run on it: deterministic generator, unique ids, disjoint train and
+    held-out, every demonstration succeeds under the family's own tools and scorer, every scripted case
+    (known-good and known-bad) scores as labelled, rewards in [0, 1]. Exit code 0 when nothing is found,
+    1 otherwise."""
+    with cli_errors():
+        family = _family(family_name)
+        source = source_of(family_name)
+        problems, counts = check_family(family, n=n, seed=seed)
+    if json_output:
+        print_json({"family": family_name, "source": source.reference, "version": source.version,
+                    "problems": problems, "checked": counts})
+    else:
+        checked = (f"{counts['items']} items, {counts['demonstrations']} demonstrations, {counts['cases']} "
+                   f"scripted cases")
+        if problems:
+            for problem in problems:
+                err_console.print(f"[red]problem:[/] {problem}", highlight=False)
+            console.print(f"[red]{family_name} ({source.describe()}): {len(problems)} problem(s)[/] in {checked}",
+                          highlight=False)
+        else:
+            console.print(f"[green]{family_name} ({source.describe()}): no problem[/] in {checked}", highlight=False)
+    raise typer.Exit(1 if problems else 0)
 
 
 @app.command("show")
@@ -50,17 +97,15 @@ def show(
 ) -> None:
     """Print sample items of a split: question, reference and the demonstration a policy should follow."""
     with cli_errors():
-        try:
-            family = get_family(family_name)
-        except KeyError as error:
-            raise UserError(str(error.args[0])) from None
-        seed = seed if seed is not None else FROZEN_SPLITS.get(family_name, {}).get(split, (0, 0))[1]
+        family = _family(family_name)
+        seed = seed if seed is not None else family.frozen_splits.get(split, (0, 0))[1]
         items = family.generate(split, n, seed)
     if json_output:
         print_json([{"task_id": i.task_id, "question": i.question, "reference": i.reference,
                      "demonstration": family.demonstration(i)} for i in items])
         return
-    console.print(f"[bold]{family.name}[/] (synthetic, scorer v{family.scorer_version}) system prompt: "
+    kind = "synthetic" if family.synthetic else "real data"
+    console.print(f"[bold]{family.name}[/] ({kind}, scorer v{family.scorer_version}) system prompt: "
                   f"{family.system_prompt}", highlight=False)
     for item in items:
         console.print(f"\n[bold]{item.task_id}[/]\n{item.question}", highlight=False)

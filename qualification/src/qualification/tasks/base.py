@@ -68,11 +68,16 @@ class Score:
 
 
 class TaskFamily(Protocol):
+    """What every family provides. `frozen_splits` names the splits the family offers with the (n, seed)
+    its plans use (`runner tasks list` hashes them); a family without a held-out split (a retention
+    probe) leaves it out, and the train/held-out disjointness check is not asked of it."""
+
     name: str
     scorer_version: int
     synthetic: bool
     system_prompt: str
     tools: tuple[ToolSpec, ...]
+    frozen_splits: dict[str, tuple[int, int]]
 
     def generate(self, split: str, n: int, seed: int) -> list[TaskItem]: ...
 

@@ -31,6 +31,7 @@ class BusinessComm:
     name = "business-comm"
     scorer_version = 1
     synthetic = True
+    frozen_splits = {"train": (64, 1), "heldout": (48, 2)}  # split: (n, seed) as the shipped plans use them
     system_prompt = ("Du bist Assistenz im Vertrieb. Nutze CRM, Kalender und E-Mail. "
                      "Buche den Termin und bestätige ihn dem Kunden formell per E-Mail.")
     tools = (

@@ -46,6 +46,7 @@ class CalcTool:
     name = "calc-tool"
     scorer_version = 1
     synthetic = True
+    frozen_splits = {"train": (64, 1), "heldout": (48, 2)}  # split: (n, seed) as the shipped plans use them
     system_prompt = "Nutze den Rechner. Antworte mit 'Antwort: <Zahl>'."
     tools = (
         ToolSpec(

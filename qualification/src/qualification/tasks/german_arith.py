@@ -20,6 +20,7 @@ class GermanArith:
     name = "german-arith"
     scorer_version = 1
     synthetic = True
+    frozen_splits = {"train": (64, 1), "retention": (48, 3)}  # split: (n, seed) as the shipped plans use them
     system_prompt = "Rechne im Kopf. Antworte mit 'Antwort: <Zahl>'."
     tools: tuple[ToolSpec, ...] = ()
 

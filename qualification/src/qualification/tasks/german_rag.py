@@ -110,6 +110,7 @@ class GermanRagCited:
     name = "german-rag-cited"
     scorer_version = 1
     synthetic = True
+    frozen_splits = {"train": (64, 1), "heldout": (48, 2)}  # split: (n, seed) as the shipped plans use them
     system_prompt = ("Beantworte die Frage mit den Dokumenten. Nutze die Suche. Antworte mit "
                      "'Antwort: <Antwort> [Passage-ID]' oder 'Antwort: Keine Angabe in den Dokumenten.'")
     tools = (

@@ -10,7 +10,7 @@ from typing import Any
 
 import verifiers.v1 as vf
 
-from qualification.tasks import FAMILIES, Score, TaskItem, ToolCall, Transcript, get_family
+from qualification.tasks import Score, TaskItem, ToolCall, Transcript, get_family, sources
 
 from .toolset import EpisodeState, FamilyToolset, FamilyToolsetConfig
 
@@ -125,7 +125,7 @@ class QualTasksetConfig(vf.TasksetConfig):
     """Which items `load()` yields when the taskset is iterated directly (evals); the rollout service
     builds its tasks from the runner's EpisodeSpecs instead."""
 
-    families: list[str] = list(FAMILIES)
+    families: list[str] = list(sources())
     split: str = "train"
     n: int = 4
     seed: int = 1

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import verifiers.v1 as vf
 from pydantic import Field
-from qualification.tasks import FAMILIES, TaskItem, get_family
+from qualification.tasks import TaskItem, get_family, sources
 from runner_kit.policy import openai_tools
 
 if TYPE_CHECKING:
@@ -50,7 +50,7 @@ class FamilyToolset(vf.Toolset[FamilyToolsetConfig, EpisodeState]):
         listed: dict[str, list[Tool]] = {}
         params: dict[str, dict[str, None]] = {}
         descriptions: dict[str, str] = {}
-        for name in sorted(FAMILIES):
+        for name in sources():
             family = get_family(name)
             listed[name] = [Tool(name=tool["function"]["name"], description=tool["function"]["description"],
                                  input_schema=tool["function"]["parameters"]) for tool in openai_tools(family)]
