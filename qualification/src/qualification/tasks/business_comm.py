@@ -112,7 +112,6 @@ class BusinessComm:
         state, _ = replay(self, item, transcript.tool_calls)
         ref = item.reference
         customer = next(c for c in ref["customers"] if c["id"] == ref["target"])
-        initial = {(b["tag"], b["uhrzeit"]) for b in ref["bookings"]}
         new = state["bookings"][len(ref["bookings"]):]
         mine = [b for b in new if b["kunde_id"] == customer["id"]]
         booking_ok = len(new) == 1 and len(mine) == 1 and mine[0]["tag"] == ref["day"]
