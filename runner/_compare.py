@@ -57,6 +57,7 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
             "continuity_breaks": sum(m.get("continuity_breaks", 0) for m in stages),
             "max_logprob_gap": data.get("max_logprob_gap"),
             "trained_equals_sampled": _gate(evidence, "trace:trained-equals-sampled"),
+            "mismatch": data.get("mismatch"),
         },
         "recovery": {
             "resume_passed": next((e.status == "passed" for e in evidence if e.stage == "resume"), None),
@@ -113,6 +114,7 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
                                          f"({a['trace_fidelity']['unattributed_calls']})" for a in arms]),
         ("continuity breaks", [_cell(a["trace_fidelity"]["continuity_breaks"]) for a in arms]),
         ("max logprob gap", [_cell(a["trace_fidelity"]["max_logprob_gap"]) for a in arms]),
+        ("mismatch: token_mult_prob_error median, k3 KL", [_mismatch(a["trace_fidelity"]["mismatch"]) for a in arms]),
         ("trained == sampled", [_cell(a["trace_fidelity"]["trained_equals_sampled"]) for a in arms]),
         ("resume after SIGKILL", [_cell(a["recovery"]["resume_passed"]) for a in arms]),
         ("injected env crash", [crash(a) for a in arms]),
@@ -126,6 +128,12 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         ("retention (greedy)", [split(a, "retention") for a in arms]),
     ]
     return rows
+
+
+def _mismatch(panel: dict[str, Any] | None) -> str:
+    if not panel:
+        return "–"
+    return f"{panel['median_token_mult_prob_error']:.4f}, {panel['kl_k3']:.2e} ({panel['stage']})"
 
 
 def _reach(isolation: dict[str, Any]) -> str:

@@ -98,14 +98,15 @@ def gate_details(arm: str, evidence: list[Evidence]) -> str:
             f"<th>detail</th></tr>{''.join(rows)}</table>")
 
 
-def line_chart(series: dict[str, dict[int, float]], *, width: int = 640, height: int = 240, y_label: str) -> str:
-    """Mean reward per step, one line per arm."""
+def line_chart(series: dict[str, dict[int, float]], *, width: int = 640, height: int = 240, y_label: str,
+               y_range: tuple[float, float] = (0.0, 1.0)) -> str:
+    """A figure per training step, one line per arm; the y axis spans at least `y_range`."""
     points = [(s, v) for values in series.values() for s, v in values.items()]
     if not points:
         return '<p class="note">no training steps recorded</p>'
     left, right, top, bottom = 50, 20, 15, 35
     max_step = max(s for s, _ in points)
-    low, high = min(0.0, min(v for _, v in points)), max(1.0, max(v for _, v in points))
+    low, high = min(y_range[0], min(v for _, v in points)), max(y_range[1], max(v for _, v in points))
     def x(step: float) -> float:
         return left + (step - 1) / max(1, max_step - 1) * (width - left - right)
     def y(value: float) -> float:
@@ -113,7 +114,7 @@ def line_chart(series: dict[str, dict[int, float]], *, width: int = 640, height:
     parts = [f'<svg width="{width}" height="{height}" role="img" aria-label="{_e(y_label)} per step">']
     for tick in (low, (low + high) / 2, high):
         parts.append(f'<line x1="{left}" x2="{width - right}" y1="{y(tick):.1f}" y2="{y(tick):.1f}" stroke="#e5e7eb"/>'
-                     f'<text x="{left - 6}" y="{y(tick) + 4:.1f}" text-anchor="end">{tick:.2f}</text>')
+                     f'<text x="{left - 6}" y="{y(tick) + 4:.1f}" text-anchor="end">{tick:.3g}</text>')
     for step in range(1, max_step + 1):
         parts.append(f'<text x="{x(step):.1f}" y="{height - bottom + 16}" text-anchor="middle">{step}</text>')
     parts.append(f'<text x="{(left + width - right) / 2}" y="{height - 4}" text-anchor="middle">optimizer step</text>')
@@ -195,6 +196,14 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
     sections.append("<h2>Mean reward per training step</h2>" + line_chart(
         {arm: {int(k): float(v) for k, v in (data.get("reward_per_step") or {}).items()} for arm, _, data in arms},
         y_label="mean reward"))
+    mismatch = {arm: {int(k): float(v) for k, v in data["mismatch"]["token_mult_prob_error_per_step"].items()}
+                for arm, _, data in arms if data.get("mismatch")}
+    if mismatch:
+        sections.append("<h2>Train-inference mismatch per training step</h2>" + line_chart(
+            mismatch, y_label="token_mult_prob_error", y_range=(1.0, 1.1)) + '<p class="note">mean exp|log p_train - log p_sample| over '
+            "the sampled tokens (NeMo RL's token_mult_prob_error; 1 = the trainer and the sampler agree; the gate "
+            "asks the median over steps to stay below 1.1). The full panel (KL, chi-square, importance ratios, "
+            "effective sample size) is in each stage's evidence under metrics.mismatch.</p>")
     fidelity = []
     for arm, evidence, data in arms:
         for record in evidence:
@@ -203,10 +212,12 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
                 fidelity.append(f"<tr><td>{_e(arm)}</td><td>{_e(record.stage)}</td><td class='num'>{m.get('episodes', '')}</td>"
                                 f"<td class='num'>{m.get('trained_tokens', '')}</td>"
                                 f"<td class='num'>{_short(m.get('max_logprob_gap', ''))}</td>"
+                                f"<td class='num'>{_short((m.get('mismatch') or {}).get('median_token_mult_prob_error', ''))}</td>"
                                 f"<td class='num'>{m.get('groups_with_variance', '')}/{m.get('groups', '')}</td></tr>")
     if fidelity:
         sections.append("<h2>Trace fidelity</h2><table><tr><th>arm</th><th>stage</th><th>episodes</th>"
-                        "<th>trained tokens</th><th>max logprob gap</th><th>groups with reward variance</th></tr>"
+                        "<th>trained tokens</th><th>max logprob gap</th><th>token_mult_prob_error (median)</th>"
+                        "<th>groups with reward variance</th></tr>"
                         + "".join(fidelity) + "</table>")
     sections.append("<h2>Gate matrix</h2>" + gate_matrix([(arm, evidence) for arm, evidence, _ in arms]))
     timing = "".join(f"<tr><td>{_e(arm)}</td><td>{_e(record.stage)}</td><td class='num'>{_duration(record):.1f} s</td></tr>"

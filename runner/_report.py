@@ -57,6 +57,20 @@ def gate_table(evidence: list[Evidence], title: str) -> Table:
     return table
 
 
+def _mismatch(stage: Evidence | None) -> dict[str, Any] | None:
+    """The training stage's mismatch panel, reduced to what the reports show: the median over steps of
+    token_mult_prob_error, the overall k3 KL and importance-ratio range, the per-step error."""
+    panel = stage.metrics.get("mismatch") if stage else None
+    if not panel or not panel.get("overall", {}).get("tokens"):
+        return None
+    overall = panel["overall"]
+    return {"stage": stage.stage, "median_token_mult_prob_error": panel["median_token_mult_prob_error"],
+            "kl_k3": overall["kl_k3"], "ratio_min": overall["ratio_min"], "ratio_max": overall["ratio_max"],
+            "effective_sample_size": overall["effective_sample_size"],
+            "token_mult_prob_error_per_step": {step: figures["token_mult_prob_error"]
+                                               for step, figures in panel["per_step"].items() if figures.get("tokens")}}
+
+
 def summary(plan: Plan, evidence: list[Evidence]) -> dict[str, Any]:
     by_stage = {e.stage: e for e in evidence}
     evaluate = by_stage.get("evaluate")
@@ -73,6 +87,7 @@ def summary(plan: Plan, evidence: list[Evidence]) -> dict[str, Any]:
         "time_to_first_reproducible_update_s": update.metrics.get("time_to_first_reproducible_update_s") if update else None,
         "reward_per_step": train.metrics.get("reward_per_step") if train else None,
         "max_logprob_gap": max((e.metrics.get("max_logprob_gap", 0.0) for e in evidence), default=None),
+        "mismatch": _mismatch(train or update),
         "evaluation": {k: v for k, v in (evaluate.metrics.items() if evaluate else []) if isinstance(v, dict)},
         "environment": msgspec.to_builtins(evidence[0].environment) if evidence and evidence[0].environment else None,
     }

@@ -3,12 +3,16 @@ console errors, no network fetches; the screenshot is kept in the test's temp di
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
+import msgspec
 import pytest
+from qualification.gates.mismatch import MismatchPanel
 from runner_contracts import Evidence, GateResult, write_record
 from test_contracts import PLAN
 
@@ -31,13 +35,17 @@ def run_dir(tmp_path: Path) -> Path:
     evaluation = {"n": 48, "base_k": 28, "trained_k": 30, "base": "28/48", "trained": "30/48", "difference": 0.04,
                   "difference_ci": [-0.05, 0.13], "p_value": 0.69, "test": "exact McNemar (two-sided)",
                   "verdict": "inconclusive"}
+    panel = MismatchPanel()  # the train stage's panel as audit_trace records it
+    panel.add(1, [-1.0, -2.0], [-1.0, -2.0])
+    panel.add(2, [-1.0 + math.log(1.2)], [-1.0])
+    mismatch = msgspec.to_builtins(panel.summary())
     stages = {
         "probe": ([GateResult(name="probe:lock-match", passed=True, measured=0, threshold=0)], {}),
         "train": ([GateResult(name="trace:trained-equals-sampled", passed=True, measured=0, threshold=0),
                    GateResult(name="trace:logprob-agreement", passed=False, measured=0.02, threshold=0.001,
                               detail="max |trainer - sampling| <script>alert(1)</script>")],
                   {"reward_per_step": {"1": 0.25, "2": 0.5, "3": 0.625}, "episodes": 96, "trained_tokens": 2048,
-                   "max_logprob_gap": 0.02, "groups": 24, "groups_with_variance": 17}),
+                   "max_logprob_gap": 0.02, "groups": 24, "groups_with_variance": 17, "mismatch": mismatch}),
         "evaluate": ([GateResult(name="evaluate:heldout", passed=True, measured="inconclusive")],
                      {"heldout": evaluation}),
     }
@@ -55,6 +63,10 @@ def test_report_html_is_self_contained(run_dir):
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "the report must not fetch anything"
     assert "<script>alert(1)</script>" not in page, "gate details are escaped"
     assert "28/48" in page and "inconclusive" in page and "<svg" in page
+    assert "Train-inference mismatch per training step" in page and "step 2: 1.200" in page
+    summary = json.loads((run_dir / "summary.json").read_text())["mismatch"]
+    assert summary["median_token_mult_prob_error"] == pytest.approx(1.1)  # median of 1.0 and 1.2
+    assert summary["token_mult_prob_error_per_step"] == {"1": pytest.approx(1.0), "2": pytest.approx(1.2)}
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (make test installs it)")

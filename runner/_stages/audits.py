@@ -32,6 +32,7 @@ def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] 
         "groups_with_variance": sum(1 for r in audit.group_rewards.values() if len(set(r)) > 1),
         "groups": len(audit.group_rewards),
         "reward_per_step": audit.reward_per_step(),
+        "mismatch": audit.mismatch.summary(),
     }
     return gates, metrics
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from runner_contracts import GateResult, TrainingRow, Trajectory
 
+from .mismatch import MismatchPanel
+
 MAX_EXAMPLES = 3
 
 
@@ -44,6 +46,7 @@ class TraceAudit:
     step_rewards: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
     trained_episodes: set[str] = field(default_factory=set)
     max_logprob_gap: float = 0.0
+    mismatch: MismatchPanel = field(default_factory=MismatchPanel)
     advantages_nonzero: int = 0
     rows: int = 0
 
@@ -135,6 +138,8 @@ class TraceAudit:
                     gap = abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
                     self.max_logprob_gap = max(self.max_logprob_gap, gap)
                 self.counts["logprob_pairs"] += min(len(recomputed), len(sampled_lp))
+                if len(recomputed) == len(sampled_lp) and all(map(math.isfinite, recomputed + sampled_lp)):
+                    self.mismatch.add(row.step, recomputed, sampled_lp)
 
     def _result(self, name: str, check: str, *, measured=None, threshold=None, detail_ok: str = "") -> GateResult:
         problems = self.counts[f"problem:{check}"]
@@ -168,6 +173,7 @@ class TraceAudit:
             GateResult(name="trace:logprob-agreement", passed=gap_ok, measured=self.max_logprob_gap,
                        threshold=self.tolerance,
                        detail=f"max |trainer - sampling| logprob over {self.counts['logprob_pairs']} tokens"),
+            self.mismatch.gate(),
         ]
 
     def reward_per_step(self) -> dict[int, float]:

@@ -1,0 +1,62 @@
+"""The mismatch panel pinned to hand-computed values (qualification/gates/mismatch.py)."""
+
+import math
+
+import pytest
+from qualification.gates.mismatch import MismatchPanel
+
+LN2 = math.log(2)
+
+
+def test_identical_logprobs_give_the_neutral_panel():
+    panel = MismatchPanel()
+    panel.add(1, [-1.0, -2.0, -0.5], [-1.0, -2.0, -0.5])
+    figures = panel.summary()["overall"]
+    assert figures["tokens"] == 3 and figures["sequences"] == 1
+    for name in ("mean_abs_logprob_diff", "max_abs_logprob_diff", "kl_k1", "kl_k3", "chi2_token", "chi2_sequence",
+                 "ratio_outside_band"):
+        assert figures[name] == 0.0, name
+    for name in ("ratio_min", "ratio_mean", "ratio_max", "effective_sample_size", "token_mult_prob_error",
+                 "perplexity_ratio"):
+        assert figures[name] == pytest.approx(1.0), name
+    assert panel.gate().passed and panel.gate().measured == pytest.approx(1.0)
+
+
+def test_a_ratio_of_two_and_a_half():
+    """d = log p_train - log p_sample = (ln 2, -ln 2): r = (2, 0.5), one sequence whose product is 1."""
+    panel = MismatchPanel()
+    panel.add(1, [-1.0 + LN2, -1.0 - LN2], [-1.0, -1.0])
+    f = panel.summary()["overall"]
+    assert f["mean_abs_logprob_diff"] == pytest.approx(LN2) and f["max_abs_logprob_diff"] == pytest.approx(LN2)
+    assert f["kl_k1"] == pytest.approx(0.0, abs=1e-12)
+    assert f["kl_k3"] == pytest.approx(0.25)  # ((2 - 1 - ln2) + (0.5 - 1 + ln2)) / 2
+    assert f["chi2_token"] == pytest.approx(0.625)  # (1 + 0.25) / 2
+    assert f["chi2_sequence"] == pytest.approx(0.0, abs=1e-12)  # prod r = 1
+    assert (f["ratio_min"], f["ratio_mean"], f["ratio_max"]) == pytest.approx((0.5, 1.25, 2.0))
+    assert f["effective_sample_size"] == pytest.approx(6.25 / 8.5)  # (sum r)^2 / (N sum r^2)
+    assert f["ratio_outside_band"] == 0.0  # 0.5 and 2 are on the band's edges, inside
+    assert f["token_mult_prob_error"] == pytest.approx(2.0)  # mean exp|d|
+    assert f["perplexity_ratio"] == pytest.approx(1.0)
+    gate = panel.gate()
+    assert not gate.passed and gate.measured == pytest.approx(2.0) and gate.threshold == 1.1
+
+
+def test_per_step_figures_and_the_median_over_steps():
+    panel = MismatchPanel()
+    panel.add(1, [-1.0], [-1.0])  # exp|d| = 1
+    panel.add(2, [-1.0 + LN2], [-1.0])  # 2
+    panel.add(3, [-1.0 + math.log(1.05)], [-1.0])  # 1.05
+    panel.add(3, [-2.0 - math.log(3)], [-2.0])  # r = 1/3: outside the band; the step's error (1.05 + 3) / 2
+    summary = panel.summary()
+    assert [summary["per_step"][s]["token_mult_prob_error"] for s in (1, 2, 3)] == pytest.approx([1.0, 2.0, 2.025])
+    assert summary["per_step"][3]["sequences"] == 2 and summary["per_step"][3]["ratio_outside_band"] == 0.5
+    assert summary["median_token_mult_prob_error"] == pytest.approx(2.0)
+    assert summary["overall"]["kl_k1"] == pytest.approx((0 - LN2 - math.log(1.05) + math.log(3)) / 4)
+    assert summary["overall"]["perplexity_ratio"] == pytest.approx(math.exp(summary["overall"]["kl_k1"]))
+
+
+def test_no_pairs_fail_the_gate_and_non_finite_logprobs_are_refused():
+    panel = MismatchPanel()
+    assert not panel.gate().passed and panel.gate().detail == "no trainer logprobs to compare"
+    with pytest.raises(ValueError, match="step 4: a logprob is not finite"):
+        panel.add(4, [float("-inf")], [-1.0])
