@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
+
+from runner_contracts import Plan
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,6 +21,14 @@ def cache_dir() -> Path:
         return Path(os.environ["RUNNER_CACHE_DIR"]).expanduser()
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return base / "runner"
+
+
+def task_package_dir(plan: Plan) -> Path | None:
+    """Where a plan's task packages are built (one folder per set of package contents), or None."""
+    if not plan.task.packages:
+        return None
+    digest = hashlib.sha256("\0".join(p.sha256 or "" for p in plan.task.packages).encode()).hexdigest()[:16]
+    return cache_dir() / "task-packages" / digest
 
 
 def local_packages() -> dict[str, Path]:

@@ -11,6 +11,7 @@ import yaml
 from runner_contracts import Plan
 from runner_contracts.io import explain_error
 
+from . import _task_packages as task_packages
 from ._errors import UserError
 
 
@@ -51,11 +52,15 @@ def load_plan(path: Path) -> Plan:
         raise UserError(f"{where}: not valid YAML: {getattr(error, 'problem', error)}") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}:1: a plan is a mapping with name, task, policy, reward, sampling, budget")
+    task = data.get("task")
+    if isinstance(task, dict) and isinstance(task.get("packages"), list):  # a bare path is {path: ...}
+        task["packages"] = [{"path": p} if isinstance(p, str) else p for p in task["packages"]]
     try:
-        return msgspec.convert(data, Plan)
+        plan = msgspec.convert(data, Plan)
     except msgspec.ValidationError as error:
         field, reason = explain_error(error)
         field = "" if field == "(record)" else field
         line = _line_of(root, field) if field else None
         where = f"{path}:{line}" if line else str(path)
         raise UserError(f"{where}: field {field or '(plan)'}: {reason}") from None
+    return task_packages.resolve(plan, path)

@@ -31,12 +31,14 @@ def policy_builder() -> StackManifest:
     raise UserError("no stack declares the build-policy capability (the trl stack does)")
 
 
-def _recipe_key(recipe: dict[str, Any], manifest: StackManifest) -> str:
+def _recipe_key(recipe: dict[str, Any], manifest: StackManifest, plan: Plan) -> str:
     digest = hashlib.sha256(canonical_json(recipe))
     digest.update(manifest.lock_sha256.encode())
     # The bytes depend on the builder's code and the task generators, not on contracts, gates or stages.
     tasks = local_packages()["runner-qualification"] / "src" / "qualification" / "tasks"
     digest.update(tree_hash([*manifest.policy_sources, tasks]).encode())
+    for package in plan.task.packages:  # a recipe may warm-start on a task package's demonstrations
+        digest.update((package.sha256 or "").encode())
     return digest.hexdigest()[:16]
 
 
@@ -44,7 +46,7 @@ def build_tiny(engine: LocalEngine, recipe: dict[str, Any], plan: Plan, *, rebui
     """The cached tiny policy for `recipe`, building it first if needed (or always, with rebuild).
     Same recipe, same bytes."""
     manifest = policy_builder()
-    key = _recipe_key(recipe, manifest)
+    key = _recipe_key(recipe, manifest, plan)
     final = cache_dir() / "policies" / f"tiny-{key}"
     if (final / WEIGHTS).is_file() and not rebuild:
         return _readable(final)

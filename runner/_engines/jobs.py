@@ -21,10 +21,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from runner_contracts import StageRequest, write_record
+from runner_contracts import Plan, StageRequest, write_record
 from runner_contracts.processes import JOB_TOKEN_VAR, die_with_parent, end_job
 
 from .._errors import EngineError
+from .._paths import task_package_dir
 from .._stacks import StackManifest
 
 STACK_PREFIX = Path("/opt/stack")  # the stack's virtualenv inside its image or SIF
@@ -101,9 +102,12 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def read_only_inputs(request: StageRequest, *, outside: Path | None = None) -> list[Path]:
-    """Host paths a job reads: the policy, a checkpoint to resume from, a trained policy to evaluate;
-    with `outside`, only those not under that folder (the run directory, mounted writable anyway)."""
+    """Host paths a job reads: the policy, a checkpoint to resume from, a trained policy to evaluate, the
+    plan's built task packages; with `outside`, only those not under that folder (the run directory,
+    mounted writable anyway)."""
     paths = [Path(request.policy_dir)] if request.policy_dir else []
+    if task_package_dir(request.plan) is not None:
+        paths.append(task_package_dir(request.plan))
     if request.resume_from:
         paths.append(Path(request.resume_from))
     if request.options.get("trained_policy"):
@@ -127,17 +131,19 @@ def run_dir_of(out_dir: Path) -> Path:
     return out_dir.resolve()
 
 
-def job_env(python_bin_dir: Path, home: Path) -> dict[str, str]:
-    """What every job's environment sets, whatever the host: offline flags, PATH, a private HOME and TMPDIR."""
+def job_env(python_bin_dir: Path, home: Path, plan: Plan | None = None) -> dict[str, str]:
+    """What every job's environment sets, whatever the host: offline flags, PATH, a private HOME and TMPDIR,
+    and the plan's task packages on PYTHONPATH."""
+    packages = task_package_dir(plan) if plan is not None else None
     return {**FIXED_ENV, "LANG": "C.UTF-8", "PATH": f"{python_bin_dir}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(home), "HF_HOME": str(home / "hf"), "XDG_CACHE_HOME": str(home / "cache"),
-            "TMPDIR": str(home / "tmp")}
+            "TMPDIR": str(home / "tmp"), **({"PYTHONPATH": str(packages)} if packages else {})}
 
 
-def scrubbed_env(python_bin_dir: Path, home: Path) -> dict[str, str]:
+def scrubbed_env(python_bin_dir: Path, home: Path, plan: Plan | None = None) -> dict[str, str]:
     """job_env plus the allow-listed host variables (LANG too, when the host sets it); creates TMPDIR."""
     env = {key: os.environ[key] for key in PASSTHROUGH if key in os.environ}
-    env.update({key: value for key, value in job_env(python_bin_dir, home).items()
+    env.update({key: value for key, value in job_env(python_bin_dir, home, plan).items()
                 if not (key == "LANG" and "LANG" in env)})
     (home / "tmp").mkdir(parents=True, exist_ok=True)
     return env

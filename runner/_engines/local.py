@@ -130,13 +130,13 @@ class LocalEngine:
         `peer` (the arm's rollout service) needs nothing here: both share the host's loopback."""
         out_dir, request_path = write_request(request)
         cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
-        return run_process(cmd, out_dir, scrubbed_env(env.path / "bin", out_dir / ".home"), timeout_s=timeout_s,
-                           kill_when=kill_when)
+        environment = scrubbed_env(env.path / "bin", out_dir / ".home", request.plan)
+        return run_process(cmd, out_dir, environment, timeout_s=timeout_s, kill_when=kill_when)
 
     def start_service(self, env: StackEnvironment, request: StageRequest, *, ready_timeout_s: float = 300.0,
                       ) -> ServiceHandle:
         """Starts the adapter's long-running `serve` job and waits for its service.json (url, pid)."""
         out_dir, request_path = write_request(request)
         cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
-        return start_process_service(cmd, out_dir, scrubbed_env(env.path / "bin", out_dir / ".home"),
+        return start_process_service(cmd, out_dir, scrubbed_env(env.path / "bin", out_dir / ".home", request.plan),
                                      what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s)

@@ -37,8 +37,10 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
     if manifest.is_environment and "torch" not in manifest.locked_packages():
         foreign.add("torch")  # an environment stack that does not pin torch must not have one
     leaked = sorted(name for name in installed if name in foreign)
+    task_packages = tuple(normalise(p.name or "") for p in arm.plan.task.packages)
     gates = [
-        msgspec.structs.replace(lock_gate(installed, manifest.locked_packages()), name=f"{prefix}:lock-match"),
+        msgspec.structs.replace(lock_gate(installed, manifest.locked_packages(), task_packages),
+                                name=f"{prefix}:lock-match"),
         GateResult(name=f"{prefix}:python", passed=reported.python.startswith(manifest.python + "."),
                    measured=reported.python, threshold=manifest.python),
         GateResult(name=f"{prefix}:upstream", passed=upstream_version == manifest.upstream.version,

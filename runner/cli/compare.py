@@ -13,6 +13,7 @@ from .._compare import table_rows
 from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
+from .. import _task_packages as task_packages
 from .._plan import load_plan
 from .._policy import resolve_policy
 from .._stacks import get_stack
@@ -56,6 +57,7 @@ def compare(
             raise UserError(f"--stacks {stacks!r}: name two or more different stacks")
         manifests = [get_stack(name) for name in names]
         plan = load_plan(plan_path)
+        task_packages.activate(plan, logger(json_output))
         runner = make_executor(executor, engine=engine, cluster=cluster, dry_run=dry_run, follow=follow_jobs,
                                quiet=json_output, log=logger(json_output))
         with err_console.status("preparing the policy"):

@@ -9,6 +9,7 @@ import typer
 from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
+from .. import _task_packages as task_packages
 from .._plan import load_plan
 from .._policy import resolve_policy
 from .._report import gate_table, load_run
@@ -83,6 +84,7 @@ def qualify(
     with cli_errors():
         manifest = get_stack(stack)
         plan = load_plan(plan_path)
+        task_packages.activate(plan, logger(json_output))
         selected = parse_stages(stages, tuple(s for s in manifest.stages if s in RECIPE_STAGES[plan.recipe]), stack)
         if resume and run_dir is None:
             raise UserError("--resume needs --run-dir: the run to continue")

@@ -11,11 +11,23 @@ from rich.table import Table
 
 from qualification.tasks import FamilyError, TaskFamily, check_family, get_family, source_of, sources, split_hash
 
+from pathlib import Path
+
+from .. import _task_packages as task_packages
 from .._errors import UserError
+from .._plan import load_plan
 from ._common import cli_errors, console, err_console, print_json
 
 app = typer.Typer(help="Task families (generators, tools, reference scorers) shared by every stack.",
                   no_args_is_help=True)
+
+
+PLAN_OPTION = typer.Option(None, "--plan", help="Also the families of this plan's task packages (task.packages).")
+
+
+def _with_plan(plan_path: Path | None) -> None:
+    if plan_path is not None:
+        task_packages.activate(load_plan(plan_path), lambda message: err_console.print(f"[dim]{message}[/]"))
 
 
 def _family(name: str) -> TaskFamily:
@@ -26,12 +38,14 @@ def _family(name: str) -> TaskFamily:
 
 
 @app.command("list")
-def list_tasks(json_output: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+def list_tasks(plan_path: Path = PLAN_OPTION,
+               json_output: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     """Families with where they come from (distribution and version), their frozen splits (size, seed,
     content sha256), tools and scorer version. A package adds families under the runner.task_families
     entry point group; install it into the host and list it here."""
     rows = []
     with cli_errors():
+        _with_plan(plan_path)
         for name, source in sources().items():
             family = _family(name)
             splits = {split: {"n": n, "seed": seed, "sha256": split_hash(family.generate(split, n, seed))}
@@ -61,6 +75,7 @@ def check(
     family_name: str = typer.Argument(..., metavar="FAMILY", help="A family from `runner tasks list`."),
     n: int = typer.Option(8, "-n", help="Items per split to check."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated items."),
+    plan_path: Path = PLAN_OPTION,
     json_output: bool = typer.Option(False, "--json", help="Print the findings as JSON."),
 ) -> None:
     """Check a family before spending a run on it: deterministic generator, unique ids, disjoint train and
@@ -68,6 +83,7 @@ def check(
     (known-good and known-bad) scores as labelled, rewards in [0, 1]. Exit code 0 when nothing is found,
     1 otherwise."""
     with cli_errors():
+        _with_plan(plan_path)
         family = _family(family_name)
         source = source_of(family_name)
         problems, counts = check_family(family, n=n, seed=seed)
@@ -93,10 +109,12 @@ def show(
     split: str = typer.Option("train", "--split", help="train, heldout or retention."),
     n: int = typer.Option(3, "-n", help="How many items."),
     seed: int = typer.Option(None, "--seed", help="Default: the frozen split's seed."),
+    plan_path: Path = PLAN_OPTION,
     json_output: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Print sample items of a split: question, reference and the demonstration a policy should follow."""
     with cli_errors():
+        _with_plan(plan_path)
         family = _family(family_name)
         seed = seed if seed is not None else family.frozen_splits.get(split, (0, 0))[1]
         items = family.generate(split, n, seed)

@@ -31,11 +31,22 @@ class SplitSpec(Record, kw_only=True):
     family: str | None = None  # defaults to task.family; retention probes name their own family
 
 
-class TaskSpec(Record, kw_only=True):
+class TaskPackage(Record, kw_only=True):
+    """A package that provides task families (runner.task_families entry points), given by a local path.
+    The host fills in its distribution name and the sha256 of its source tree, so the plan id covers it."""
+
+    path: str
+    name: str | None = None
+    sha256: Sha256 | None = None
+
+
+class TaskSpec(Record, kw_only=True, omit_defaults=True):
     family: str
     train: SplitSpec
     heldout: SplitSpec
     retention: SplitSpec
+    # Omitted when empty (omit_defaults), so plans without task packages keep the ids they always had.
+    packages: list[TaskPackage] = msgspec.field(default_factory=list)
 
 
 class PolicySpec(Record, kw_only=True):

@@ -11,9 +11,10 @@ from runner_contracts import COMPLETE_MARKER, EvalRecord, GateResult, ServiceCas
 from ..stats import compare_paired, non_inferior, rate_text
 from ..tasks import TaskItem, ToolCall, Transcript, get_family, replay
 
-def lock_gate(installed: dict[str, str], locked: dict[str, str]) -> GateResult:
+def lock_gate(installed: dict[str, str], locked: dict[str, str], also_ignored: tuple[str, ...] = ()) -> GateResult:
     """Installed distributions must equal the lock: same names, same versions (a local label like +cpu
-    on the installed side is accepted when the lock pins the public version)."""
+    on the installed side is accepted when the lock pins the public version). Our own packages, and
+    `also_ignored` (the plan's task packages, on the job's path), are not the lock's."""
     drift = []
     for name, version in sorted(locked.items()):
         have = installed.get(name)
@@ -21,7 +22,7 @@ def lock_gate(installed: dict[str, str], locked: dict[str, str]) -> GateResult:
             drift.append(f"{name}: locked {version}, not installed")
         elif have != version and have.split("+", 1)[0] != version:
             drift.append(f"{name}: locked {version}, installed {have}")
-    ignored = {"pip", "runner-contracts", "runner-qualification", "runner-kit"}
+    ignored = {"pip", "runner-contracts", "runner-qualification", "runner-kit", *also_ignored}
     extra = sorted(name for name in installed if name not in locked and name not in ignored
                    and not name.startswith("runner-stack-"))
     drift += [f"{name}: installed {installed[name]}, not in the lock" for name in extra]

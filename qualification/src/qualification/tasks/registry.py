@@ -80,6 +80,12 @@ def get_family(name: str) -> TaskFamily:
     return family
 
 
+def reset() -> None:
+    """Forget what was found, so families on a path added since are seen (a plan's task packages)."""
+    _entry_points.cache_clear()
+    get_family.cache_clear()
+
+
 def families() -> dict[str, TaskFamily]:
     """Every registered family, loaded."""
     return {name: get_family(name) for name in sources()}

@@ -1,0 +1,1 @@
+"""Example task package for runner: one family, shop-total (docs/tasks.md)."""

@@ -1,0 +1,95 @@
+"""A plan's task packages (task.packages): a family from outside the project, found on the host and in
+every stack job through the runner.task_families entry point group. The example package is
+examples/shop-tasks (docs/tasks.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+from conftest import stage_evidence
+
+from runner.api import UserError, load_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "shop-tasks"
+RUNNER = str(Path(sys.executable).parent / "runner")
+
+
+def copy_example(tmp_path: Path) -> Path:
+    target = tmp_path / "shop-tasks"
+    shutil.copytree(EXAMPLE, target, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    return target
+
+
+def test_a_plan_names_its_task_package_by_path_and_its_hash_is_part_of_the_plan_id(tmp_path):
+    example = copy_example(tmp_path)
+    plan = load_plan(example / "plan.yaml")
+    (package,) = plan.task.packages
+    assert (package.path, package.name) == (str(example.resolve()), "shop-tasks") and len(package.sha256) == 64
+    from runner_contracts import plan_id
+
+    before = plan_id(plan)
+    family = example / "src" / "shop_tasks" / "family.py"
+    family.write_text(family.read_text().replace("scorer_version = 1", "scorer_version = 2"))
+    assert plan_id(load_plan(example / "plan.yaml")) != before  # a changed package is a different plan
+    calc = load_plan(ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml")
+    assert "packages" not in msgspec.to_builtins(calc.task)  # plans without packages keep their ids
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("packages: [./missing]", "plan.yaml: field task.packages[0]: {dir}/missing has no pyproject.toml"),
+    ("packages: [{{path: ., sha: 1}}]", "plan.yaml:8: field task.packages[0].sha: Object contains unknown field `sha`"),
+])
+def test_a_package_that_cannot_provide_families_is_one_line_naming_the_plan_field(tmp_path, change, message):
+    example = copy_example(tmp_path)
+    plan = example / "plan.yaml"
+    plan.write_text(plan.read_text().replace("packages: [.]", change.format()))
+    with pytest.raises(UserError) as raised:
+        load_plan(plan)
+    assert message.format(dir=example.resolve()) in str(raised.value)
+
+
+def test_a_package_without_family_entry_points_is_refused(tmp_path):
+    example = copy_example(tmp_path)
+    pyproject = example / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().split('[project.entry-points."runner.task_families"]')[0])
+    with pytest.raises(UserError, match=r"pyproject.toml: needs \[project\] name and at least one family"):
+        load_plan(example / "plan.yaml")
+
+
+def test_tasks_check_builds_the_package_and_checks_its_family(tmp_path):
+    env = {**os.environ, "RUNNER_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "200"}
+    result = subprocess.run([RUNNER, "tasks", "check", "shop-total", "--plan", str(EXAMPLE / "plan.yaml"), "--json"],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    assert (found["problems"], found["version"]) == ([], "0.1.0") and found["checked"]["cases"] == 96  # 8 items x 2 splits x 6 cases
+    built = list((tmp_path / "cache" / "task-packages").glob("*/shop_tasks-0.1.0.dist-info/entry_points.txt"))
+    assert len(built) == 1 and "shop-total = shop_tasks.family:ShopTotal" in built[0].read_text()
+    unknown = subprocess.run([RUNNER, "tasks", "check", "shop-total"], capture_output=True, text=True, env=env)
+    assert unknown.returncode == 2 and "unknown task family 'shop-total'" in unknown.stderr  # only with its plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", ["trl", "verifiers"])
+def test_stack_jobs_find_the_packages_family_and_score_its_scripted_cases(stack, tmp_path):
+    """The probe and service stages on the example plan: the family loads inside the stack's jobs (the
+    built package on their path, the stack environment untouched), the stack's own environment scores the
+    family's scripted episodes as its reference scorer does, and the lock gate does not count the package."""
+    run_dir = tmp_path / stack
+    result = subprocess.run([RUNNER, "qualify", "--stack", stack, "--plan", str(EXAMPLE / "plan.yaml"), "--stages",
+                             "probe,service", "--run-dir", str(run_dir), "--json"], capture_output=True, text=True,
+                            timeout=3600)
+    summary = json.loads(result.stdout)
+    assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}\n{result.stderr[-3000:]}"
+    service = stage_evidence(run_dir, "service")
+    assert service["metrics"]["cases"] >= 12 and service["metrics"]["splits"]["train"]["family"] == "shop-total"
+    probe = {g["name"]: g for g in stage_evidence(run_dir, "probe")["gates"]}
+    assert probe["probe:lock-match"]["passed"]
