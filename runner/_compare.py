@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
-from runner_contracts import Evidence, Plan, write_atomic
+from qualification.stats import pairwise_arms
+from runner_contracts import EvalRecord, Evidence, Plan, RecordError, read_jsonl, write_atomic
 
 from ._errors import UserError
 from ._html import render as render_html
@@ -105,7 +107,7 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     rows = [
         ("upstream", [a["upstream"] for a in arms]),
         ("trainer", [a.get("trainer") or "–" for a in arms]),
-        ("python", [a["python"] + (" (deviation)" if a["deviations"] else "") for a in arms]),
+        ("python", [(a["python"] or "–") + (" (deviation)" if a["deviations"] else "") for a in arms]),
         ("every gate passed", [_cell(a["passed"]) for a in arms]),
         ("failed gates", [", ".join(a["failed_gates"]) or "none" for a in arms]),
         ("token source", [a["trace_fidelity"]["token_source"] for a in arms]),
@@ -158,7 +160,7 @@ def _same_weights(arm: dict[str, Any], arms: list[dict[str, Any]]) -> str:
     return digest[:12] + (f" (= {', '.join(twins)})" if twins else "")
 
 
-def markdown(plan: Plan, arms: list[dict[str, Any]], stages: list[str]) -> str:
+def markdown(plan: Plan, arms: list[dict[str, Any]], stages: list[str], tests: dict[str, Any]) -> str:
     names = [a["stack"] for a in arms]
     lines = [f"# Comparison on {plan.name}", "", f"- plan_id: `{plan.plan_id}` (every arm ran this plan)",
              f"- stages: {', '.join(stages)}" + ("" if set(stages) >= set(RECIPE_STAGES[plan.recipe]) else
@@ -171,7 +173,35 @@ def markdown(plan: Plan, arms: list[dict[str, Any]], stages: list[str]) -> str:
         lines.append(f"| {label} | " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
     lines += ["", "Held-out and retention: base → trained successes with the paired test's verdict; each arm trains "
               "its own copy of the same starting policy, so differences between arms include sampling noise."]
+    for split, found in tests.items():
+        lines += ["", f"## Arm against arm: {split}", "", f"**{found['ranking']}**", "",
+                  "| pair | items | solved | only first | only second | p | p (Holm) | verdict |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {p['first']} vs {p['second']} | {p['n']} | {p['first_k']} vs {p['second_k']} | {p['only_first']} | "
+                  f"{p['only_second']} | {p['p_value']:.3g} | {p['p_holm']:.3g} | {p['verdict']} |" for p in found["pairs"]]
     return "\n".join(lines) + "\n"
+
+
+def arm_tests(run_dir: Path, stacks: list[str], confidence: float) -> dict[str, Any]:
+    """Per evaluation split, every pair of arms' trained policies on the same items (greedy outcomes from
+    each arm's eval.jsonl, which its evaluate stage re-scored), Holm-adjusted, and the ranking they allow."""
+    outcomes: dict[str, dict[str, dict[str, bool]]] = {}
+    for stack in stacks:
+        path = run_dir / "arms" / stack / "stages" / "evaluate" / "eval.jsonl"
+        try:
+            records = read_jsonl(path, EvalRecord) if path.is_file() else []
+        except RecordError:
+            records = []
+        for record in records:
+            if record.policy == "trained":
+                outcomes.setdefault(record.split, {}).setdefault(stack, {})[record.task_id] = record.success
+    tests = {}
+    for split, by_arm in sorted(outcomes.items()):
+        if len(by_arm) < 2:
+            continue
+        pairs, ranking = pairwise_arms({stack: by_arm[stack] for stack in stacks if stack in by_arm}, confidence)
+        tests[split] = {"ranking": ranking, "test": "exact McNemar on greedy outcomes, Holm-adjusted",
+                        "pairs": [dataclasses.asdict(pair) for pair in pairs]}
+    return tests
 
 
 def write_comparison(run_dir: Path, stacks: list[str]) -> dict[str, Any]:
@@ -189,9 +219,9 @@ def write_comparison(run_dir: Path, stacks: list[str]) -> dict[str, Any]:
     arms = [arm_figures(stack, evidence, data) for stack, evidence, data in datas]
     stages = [stage for stage in STAGES if any(stage in arm["gates"] for arm in arms)]
     result = {"plan_id": plan.plan_id, "plan": plan.name, "passed": all(a["passed"] for a in arms), "arms": arms,
-              "stages": stages}
+              "stages": stages, "arm_tests": arm_tests(run_dir, stacks, plan.gates.confidence)}
     write_atomic(run_dir / "comparison.json", json.dumps(result, indent=2, sort_keys=True).encode() + b"\n")
-    write_atomic(run_dir / "comparison.md", markdown(plan, arms, stages).encode())
+    write_atomic(run_dir / "comparison.md", markdown(plan, arms, stages, result["arm_tests"]).encode())
     write_atomic(run_dir / "report.html", render_html(plan, datas, comparison=(
-        [a["stack"] for a in arms], table_rows(arms))).encode())
+        [a["stack"] for a in arms], table_rows(arms)), arm_tests=result["arm_tests"]).encode())
     return result

@@ -167,7 +167,8 @@ def comparison_table(names: list[str], rows: list[tuple[str, list[str]]]) -> str
 
 
 def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
-           comparison: tuple[list[str], list[tuple[str, list[str]]]] | None = None) -> str:
+           comparison: tuple[list[str], list[tuple[str, list[str]]]] | None = None,
+           arm_tests: dict[str, Any] | None = None) -> str:
     """One page for one run (one arm) or a comparison (several arms on the same plan)."""
     passed_all = all(data["passed"] for _, _, data in arms)
     title = f"Qualification: {', '.join(arm for arm, _, _ in arms)} on {plan.name}"
@@ -178,6 +179,12 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
                 f'{"every gate passed" if passed_all else "not qualified"}</span></p>']
     if comparison is not None:
         sections.append("<h2>Side by side</h2>" + comparison_table(*comparison))
+    for split, found in (arm_tests or {}).items():
+        rows = "".join(f"<tr><td>{_e(p['first'])} vs {_e(p['second'])}</td><td class='num'>{p['first_k']} vs "
+                       f"{p['second_k']} of {p['n']}</td><td class='num'>{p['p_holm']:.3g}</td>"
+                       f"<td><b>{_e(p['verdict'])}</b></td></tr>" for p in found["pairs"])
+        sections.append(f"<h2>Arm against arm: {_e(split)}</h2><p><b>{_e(found['ranking'])}</b></p><table><tr>"
+                        f"<th>pair</th><th>solved (greedy)</th><th>p (Holm)</th><th>verdict</th></tr>{rows}</table>")
     bars, verdicts = [], []
     for arm, _, data in arms:
         for split, row in (data.get("evaluation") or {}).items():

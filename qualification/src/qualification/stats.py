@@ -154,3 +154,67 @@ def aggregate_paired(comparisons: list[PairedComparison], confidence: float = 0.
     rest = n - len(base)
     result = compare_paired(base + [False] * rest, trained + [False] * rest, confidence)
     return PairedComparison(**{**result.__dict__, "test": f"exact McNemar (two-sided), {len(comparisons)} repeats pooled"})
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjustment of p-values for several tests at once (family-wise error), in the
+    order given: the i-th smallest p is multiplied by (m - i), and adjusted values never decrease."""
+    order = sorted(range(len(p_values)), key=lambda i: p_values[i])
+    adjusted = [1.0] * len(p_values)
+    running = 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (len(p_values) - rank) * p_values[index]))
+        adjusted[index] = running
+    return adjusted
+
+
+@dataclass(frozen=True)
+class ArmPair:
+    """Two arms' trained policies on the same held-out items: exact McNemar, Holm-adjusted over the pairs."""
+
+    first: str
+    second: str
+    n: int
+    first_k: int
+    second_k: int
+    only_first: int  # items the first arm solved and the second did not
+    only_second: int
+    p_value: float
+    p_holm: float
+    verdict: str  # "<arm> better" | "indistinguishable"
+
+
+def pairwise_arms(outcomes: dict[str, dict[str, bool]], confidence: float = 0.95) -> tuple[list[ArmPair], str]:
+    """Every pair of arms on the items all of them were evaluated on (arm -> task id -> success), and
+    a ranking sentence that orders arms only where a Holm-adjusted test says so."""
+    arms = list(outcomes)
+    items = sorted(set.intersection(*(set(o) for o in outcomes.values()))) if outcomes else []
+    raw = []
+    for i, first in enumerate(arms):
+        for second in arms[i + 1:]:
+            a, b = [outcomes[first][t] for t in items], [outcomes[second][t] for t in items]
+            only_first = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
+            only_second = sum(1 for x, y in zip(a, b, strict=True) if y and not x)
+            raw.append((first, second, sum(a), sum(b), only_first, only_second,
+                        mcnemar_exact(only_first, only_second)))
+    adjusted = holm([r[-1] for r in raw])
+    alpha = 1 - confidence
+    pairs = []
+    for (first, second, first_k, second_k, only_first, only_second, p), p_holm in zip(raw, adjusted, strict=True):
+        verdict = "indistinguishable"
+        if p_holm < alpha:
+            verdict = f"{first if only_first > only_second else second} better"
+        pairs.append(ArmPair(first, second, len(items), first_k, second_k, only_first, only_second, p, p_holm,
+                             verdict))
+    better = [pair for pair in pairs if pair.verdict != "indistinguishable"]
+    if not pairs:
+        sentence = "one arm: nothing to rank"
+    elif not better:
+        sentence = (f"no stack is distinguishable from another on these {len(items)} items ({len(pairs)} pairs, "
+                    f"exact McNemar, Holm-adjusted at {confidence:.0%})")
+    else:
+        sentence = "; ".join(f"{pair.verdict.removesuffix(' better')} > "
+                             f"{pair.second if pair.verdict.startswith(pair.first) else pair.first} "
+                             f"(p_holm={pair.p_holm:.3g})" for pair in better) + \
+                   f"; every other pair indistinguishable ({len(pairs)} pairs, Holm-adjusted at {confidence:.0%})"
+    return pairs, sentence

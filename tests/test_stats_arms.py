@@ -1,0 +1,76 @@
+"""Arm against arm: Holm's adjustment and the pairwise exact McNemar tests, pinned to hand-computed values."""
+
+import pytest
+from qualification.stats import holm, mcnemar_exact, pairwise_arms
+
+
+def test_holm_multiplies_by_the_remaining_count_and_never_decreases():
+    # sorted: 0.01 * 3 = 0.03, 0.02 * 2 = 0.04, 0.04 * 1 = 0.04 (kept monotone), in the given order
+    assert holm([0.04, 0.01, 0.02]) == pytest.approx([0.04, 0.03, 0.04])
+    assert holm([0.5, 0.6]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert holm([0.03]) == [0.03] and holm([]) == []
+
+
+def test_a_clear_winner_is_ranked_and_ties_are_not():
+    items = [f"t{i}" for i in range(20)]
+    strong = dict.fromkeys(items, True)
+    weak = {t: i < 5 for i, t in enumerate(items)}  # 5 of 20
+    twin = {t: i < 5 for i, t in enumerate(items)}
+    pairs, sentence = pairwise_arms({"a": strong, "b": weak, "c": twin})
+    by = {(p.first, p.second): p for p in pairs}
+    ab = by[("a", "b")]
+    assert (ab.n, ab.first_k, ab.second_k, ab.only_first, ab.only_second) == (20, 20, 5, 15, 0)
+    assert ab.p_value == pytest.approx(2 * 0.5 ** 15)
+    # a-b and a-c share the smallest p: the first sorted gets 3 x, the second 2 x but never less than the first
+    assert ab.p_holm == by[("a", "c")].p_holm == pytest.approx(3 * 2 * 0.5 ** 15)
+    assert ab.verdict == "a better" and by[("a", "c")].verdict == "a better"
+    assert by[("b", "c")].verdict == "indistinguishable" and by[("b", "c")].p_holm == 1.0
+    assert sentence.startswith("a > b (p_holm=") and "a > c" in sentence and "3 pairs" in sentence
+
+
+def test_small_differences_are_not_a_ranking():
+    items = [f"t{i}" for i in range(10)]
+    a = {t: i < 6 for i, t in enumerate(items)}
+    b = {t: i < 4 for i, t in enumerate(items)}
+    pairs, sentence = pairwise_arms({"a": a, "b": b})
+    assert pairs[0].p_value == pytest.approx(mcnemar_exact(2, 0)) == pytest.approx(0.5)
+    assert pairs[0].verdict == "indistinguishable"
+    assert sentence == "no stack is distinguishable from another on these 10 items (1 pairs, exact McNemar, " \
+                       "Holm-adjusted at 95%)"
+
+
+def test_only_items_every_arm_was_evaluated_on_are_compared():
+    pairs, _ = pairwise_arms({"a": {"x": True, "y": True}, "b": {"y": False, "z": True}})
+    assert pairs[0].n == 1 and (pairs[0].only_first, pairs[0].only_second) == (1, 0)
+
+
+def test_the_comparison_reports_arm_against_arm_from_each_arms_eval_records(tmp_path):
+    """write_comparison over three arm folders whose evaluate stages wrote eval.jsonl (constructed here)."""
+    import json
+
+    from runner_contracts import EvalRecord, Evidence, JsonlWriter, freeze_plan, write_record
+    from test_contracts import PLAN
+
+    from runner.api import load_plan, write_comparison
+
+    plan = freeze_plan(load_plan(PLAN))
+    solved = {"strong": 24, "weak": 4, "twin": 4}
+    for stack, k in solved.items():
+        arm = tmp_path / "arms" / stack
+        write_record(arm / "plan.json", plan)
+        write_record(arm / "stages" / "evaluate" / "evidence.json", Evidence(
+            run_id=stack, stack=stack, stage="evaluate", plan_id=plan.plan_id, status="passed",
+            started_at="2026-12-01T00:00:00+00:00", finished_at="2026-12-01T00:00:01+00:00"))
+        with JsonlWriter(arm / "stages" / "evaluate" / "eval.jsonl") as writer:
+            for i in range(24):
+                writer.write(EvalRecord(policy="trained", split="heldout", task_id=f"t{i}", item="{}", final_text="",
+                                        tool_calls=[], stack_reward=float(i < k), success=i < k, finish_reason="stop"))
+    result = write_comparison(tmp_path, list(solved))
+    heldout = result["arm_tests"]["heldout"]
+    assert heldout["ranking"].startswith("strong > weak") and "strong > twin" in heldout["ranking"]
+    verdicts = {(p["first"], p["second"]): p["verdict"] for p in heldout["pairs"]}
+    assert verdicts == {("strong", "weak"): "strong better", ("strong", "twin"): "strong better",
+                        ("weak", "twin"): "indistinguishable"}
+    assert "## Arm against arm: heldout" in (tmp_path / "comparison.md").read_text()
+    assert "Arm against arm: heldout" in (tmp_path / "report.html").read_text()
+    assert json.loads((tmp_path / "comparison.json").read_text())["arm_tests"] == result["arm_tests"]
