@@ -102,7 +102,11 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
 
     def split(arm: dict[str, Any], name: str) -> str:
         row = arm["evaluation"].get(name)
-        return f"{row['base']} → {row['trained']}: {row['verdict']}" if row else "–"
+        if not row:
+            return "–"
+        detectable = row.get("detectable_difference")
+        return f"{row['base']} → {row['trained']}: {row['verdict']}" + \
+            (f" (detects ≥ {detectable:.0%})" if detectable is not None else "")
 
     rows = [
         ("upstream", [a["upstream"] for a in arms]),

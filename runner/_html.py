@@ -98,6 +98,11 @@ def gate_details(arm: str, evidence: list[Evidence]) -> str:
             f"<th>detail</th></tr>{''.join(rows)}</table>")
 
 
+def _detectable(row: dict[str, Any]) -> str:
+    value = row.get("detectable_difference")
+    return f"&ge; {value:.0%}" if value is not None else "–"
+
+
 def line_chart(series: dict[str, dict[int, float]], *, width: int = 640, height: int = 240, y_label: str,
                y_range: tuple[float, float] = (0.0, 1.0)) -> str:
     """A figure per training step, one line per arm; the y axis spans at least `y_range`."""
@@ -193,13 +198,17 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
             verdicts.append(f"<tr><td>{_e(arm)}</td><td>{_e(split)}</td><td>{_e(row['base'])}</td>"
                             f"<td>{_e(row['trained'])}</td><td class='num'>{row['difference']:+.3f} "
                             f"({low:+.3f}..{high:+.3f})</td><td>{_e(row['test'])}</td>"
-                            f"<td class='num'>{row['p_value']:.3g}</td><td><b>{_e(row['verdict'])}</b></td></tr>")
+                            f"<td class='num'>{row['p_value']:.3g}</td><td><b>{_e(row['verdict'])}</b></td>"
+                            f"<td class='num'>{_detectable(row)}</td></tr>")
     if bars:
         sections.append("<h2>Held-out and retention success (95% Wilson intervals)</h2>" + ci_bars(bars) +
                         "<table><tr><th>arm</th><th>split</th><th>base</th><th>trained</th><th>difference (CI)</th>"
-                        f"<th>test</th><th>p</th><th>verdict</th></tr>{''.join(verdicts)}</table>"
+                        f"<th>test</th><th>p</th><th>verdict</th><th>detectable at 80% power</th></tr>"
+                        f"{''.join(verdicts)}</table>"
                         '<p class="note">Small evaluation sets rarely separate base and trained: "inconclusive" '
-                        "means the data cannot tell them apart at this confidence, not that nothing changed.</p>")
+                        "means the data cannot tell them apart at this confidence, not that nothing changed; the last "
+                        "column is the smallest difference these items could have shown (exact McNemar, normal "
+                        "approximation of its power).</p>")
     sections.append("<h2>Mean reward per training step</h2>" + line_chart(
         {arm: {int(k): float(v) for k, v in (data.get("reward_per_step") or {}).items()} for arm, _, data in arms},
         y_label="mean reward"))

@@ -74,3 +74,13 @@ def test_the_comparison_reports_arm_against_arm_from_each_arms_eval_records(tmp_
     assert "## Arm against arm: heldout" in (tmp_path / "comparison.md").read_text()
     assert "Arm against arm: heldout" in (tmp_path / "report.html").read_text()
     assert json.loads((tmp_path / "comparison.json").read_text())["arm_tests"] == result["arm_tests"]
+
+
+def test_the_detectable_difference_is_the_mcnemar_power_approximation():
+    from qualification.stats import detectable_difference
+
+    # (z_0.975 + z_0.8) * sqrt(psi / n) = (1.95996 + 0.84162) * sqrt((12 / 48) / 48)
+    assert detectable_difference(48, 12) == pytest.approx(2.80158 * (0.25 / 48) ** 0.5, rel=1e-4)
+    assert detectable_difference(48, 0) == detectable_difference(48, 2)  # no discordance: 2 assumed
+    assert detectable_difference(4, 4) == 1.0 and detectable_difference(0, 0) is None
+    assert detectable_difference(400, 40) < detectable_difference(100, 10)  # more items, finer

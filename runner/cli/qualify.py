@@ -103,8 +103,11 @@ def qualify(
     else:
         console.print(gate_table(evidence, f"{stack} on {frozen.name} (plan {frozen.plan_id[:12]})"))
         for stage, split in data.get("evaluation", {}).items():
+            detectable = split.get("detectable_difference")
             console.print(f"{stage}: base {split['base']} -> trained {split['trained']}: [bold]{split['verdict']}[/] "
-                          f"({split['test']}, p={split['p_value']:.3g})", highlight=False)
+                          f"({split['test']}, p={split['p_value']:.3g}"
+                          + (f"; detects a difference of {detectable:.0%} or more at 80% power" if detectable else "")
+                          + ")", highlight=False)
         verdict = "[green]qualified: every gate passed[/]" if data["passed"] else "[red]not qualified[/]"
         console.print(f"{verdict}\nrun directory: {target}\nreport: {target / 'report.md'} and {target / 'report.html'}",
                       highlight=False)

@@ -218,3 +218,14 @@ def pairwise_arms(outcomes: dict[str, dict[str, bool]], confidence: float = 0.95
                              f"(p_holm={pair.p_holm:.3g})" for pair in better) + \
                    f"; every other pair indistinguishable ({len(pairs)} pairs, Holm-adjusted at {confidence:.0%})"
     return pairs, sentence
+
+
+def detectable_difference(n: int, discordant: int, confidence: float = 0.95, power: float = 0.8) -> float | None:
+    """The smallest paired difference in success rate a two-sided McNemar test on `n` items would detect
+    with probability `power`, given the share of discordant items observed (at least 2 of n assumed, so a
+    run without discordance does not claim a precision it has not shown). Normal approximation
+    (Connor 1987, dropping the second-order term): (z_{1-alpha/2} + z_power) * sqrt(psi / n), capped at 1."""
+    if n <= 0:
+        return None
+    psi = max(discordant, 2) / n
+    return min(1.0, (_z(confidence) + _z(2 * power - 1)) * math.sqrt(psi / n))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from runner_contracts import COMPLETE_MARKER, EvalRecord, GateResult, ServiceCase, Trajectory, TrainingRow, sha256_file
 
-from ..stats import compare_paired, non_inferior, rate_text
+from ..stats import compare_paired, detectable_difference, non_inferior, rate_text
 from ..tasks import TaskItem, ToolCall, Transcript, get_family, replay
 
 def lock_gate(installed: dict[str, str], locked: dict[str, str], also_ignored: tuple[str, ...] = ()) -> GateResult:
@@ -178,6 +178,8 @@ def evaluate_gates(records: list[EvalRecord], margin: float, confidence: float) 
             "trained": rate_text(comparison.trained_k, comparison.n, confidence),
             "difference": comparison.difference, "difference_ci": list(comparison.difference_ci),
             "p_value": comparison.p_value, "test": comparison.test, "verdict": comparison.verdict,
+            "detectable_difference": detectable_difference(
+                comparison.n, comparison.improved_pairs + comparison.worsened_pairs, confidence),
         }
         if split == "retention":
             ok = non_inferior(comparison, margin)
