@@ -38,6 +38,10 @@ def test_arms_share_one_plan_and_one_policy(comparison):
     for arm in ARMS:
         evidence = read_record(run_dir / "arms" / arm / "stages" / "train" / "evidence.json", Evidence)
         assert evidence.plan_id == data["plan_id"]
+        source = evidence.provenance  # what produced it: the checkout, the command, the families, the template
+        assert source.command[1:3] == ["compare", "--stacks"] and source.python and source.host_packages["runner"]
+        assert source.task_families["calc-tool"].endswith("scorer v1") and len(source.chat_template_sha256) == 64
+        assert (source.git_commit is None) == (source.git_dirty is None)
 
 
 def test_environment_arms_capture_every_call_and_lose_no_episode(comparison):

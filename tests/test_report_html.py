@@ -84,3 +84,23 @@ def test_report_html_renders_in_chromium(run_dir, tmp_path):
     subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--window-size=1200,1800",
                     f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 10_000
+
+
+def test_provenance_names_the_checkout_the_families_and_the_chat_template(tmp_path):
+    import hashlib
+
+    from runner_contracts import freeze_plan
+
+    from runner._provenance import provenance
+    from runner.api import load_plan
+
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "chat_template.jinja").write_text("{{ messages }}")
+    plan = freeze_plan(load_plan(PLAN))
+    plan = msgspec.structs.replace(plan, policy=msgspec.structs.replace(plan.policy, kind="path", path=str(policy)))
+    found = provenance(plan)
+    assert found.chat_template_sha256 == hashlib.sha256(b"{{ messages }}").hexdigest()
+    assert set(found.task_families) == {"calc-tool", "german-arith"}
+    if (Path(__file__).resolve().parents[1] / ".git").exists():
+        assert len(found.git_commit) == 40 and isinstance(found.git_dirty, bool)

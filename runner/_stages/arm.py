@@ -17,6 +17,7 @@ from runner_contracts import (
     ErrorInfo,
     GateResult,
     Plan,
+    Provenance,
     RecordError,
     StageRequest,
     StageResult,
@@ -55,6 +56,7 @@ class Arm:
     service: Service | None = None
     interrupted: dict[str, Path] = field(default_factory=dict)  # stage -> its set-aside interrupted attempt
     gpu_env: StackEnvironment | None = None
+    provenance: Provenance | None = None  # computed once per arm, written into each stage's evidence
 
     def trains_on_gpu(self, job: str) -> bool:
         """Whether an adapter job of this stage name runs in the stack's GPU environment."""

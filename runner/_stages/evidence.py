@@ -19,7 +19,14 @@ from runner_contracts import (
     write_record,
 )
 
+from .._provenance import provenance
 from .arm import Arm, StageOutput, now
+
+
+def _provenance(arm: Arm):
+    if arm.provenance is None:
+        arm.provenance = provenance(arm.plan)
+    return arm.provenance
 
 
 def artifacts(arm: Arm, folder: Path) -> list[Artifact]:
@@ -47,7 +54,8 @@ def write_stage_evidence(arm: Arm, stage: str, output: StageOutput, started: str
     evidence = Evidence(
         run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status=status,
         started_at=started, finished_at=now(), environment=arm.environment, metrics=output.metrics,
-        artifacts=artifacts(arm, folder), checkpoints=output.checkpoints, gates=output.gates, error=output.error)
+        artifacts=artifacts(arm, folder), checkpoints=output.checkpoints, gates=output.gates, error=output.error,
+        provenance=_provenance(arm))
     write_record(folder / "evidence.json", evidence)
     return evidence
 
@@ -55,7 +63,8 @@ def write_stage_evidence(arm: Arm, stage: str, output: StageOutput, started: str
 def write_skipped(arm: Arm, stage: str) -> Evidence:
     evidence = Evidence(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "",
                         status="skipped", started_at=now(), finished_at=now(),
-                        error=ErrorInfo(kind="skipped", message="an earlier stage did not pass"))
+                        error=ErrorInfo(kind="skipped", message="an earlier stage did not pass"),
+                        provenance=_provenance(arm))
     write_record(arm.stage_dir(stage) / "evidence.json", evidence)
     return evidence
 
@@ -66,7 +75,7 @@ def mark_interrupted(arm: Arm, stage: str, folder: Path, message: str, *, starte
     write_record(folder / "evidence.json", Evidence(
         run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status="error",
         started_at=started or now(), finished_at=now(), environment=environment, artifacts=artifacts(arm, folder),
-        error=ErrorInfo(kind="interrupted", message=message)))
+        error=ErrorInfo(kind="interrupted", message=message), provenance=_provenance(arm)))
 
 
 def earlier_evidence(arm: Arm, stage: str) -> Evidence | None:

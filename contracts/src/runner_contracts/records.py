@@ -221,6 +221,23 @@ class GateResult(Record, kw_only=True):
     detail: str = ""
 
 
+class Provenance(Record, kw_only=True):
+    """What produced a piece of evidence, to reproduce it or to know why not: the runner's source (git
+    commit, and whether the tree had uncommitted changes), the command line, the host's Python and
+    packages, the plan's task families (where each came from, its scorer version) and the policy's chat
+    template."""
+
+    runner_version: str
+    git_commit: str | None = None
+    git_dirty: bool | None = None
+    command: list[str] = msgspec.field(default_factory=list)
+    python: str
+    platform: str
+    host_packages: dict[str, str] = msgspec.field(default_factory=dict)
+    task_families: dict[str, str] = msgspec.field(default_factory=dict)  # name -> "<dist> <version>, scorer v<n>"
+    chat_template_sha256: str | None = None
+
+
 class Evidence(Record, kw_only=True):
     contract: Literal["evidence"] = "evidence"
     version: int = 1
@@ -237,6 +254,7 @@ class Evidence(Record, kw_only=True):
     checkpoints: list[Checkpoint] = msgspec.field(default_factory=list)
     gates: list[GateResult] = msgspec.field(default_factory=list)
     error: ErrorInfo | None = None
+    provenance: Provenance | None = None
 
 
 # --- host <-> adapter ------------------------------------------------------------------------------
