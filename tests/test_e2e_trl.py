@@ -1,4 +1,5 @@
-"""End to end on the real trl==1.16.0 stack (CPU, tiny policy): what `make demo` does, audited.
+"""End to end on the real trl==1.16.0 stack (CPU, tiny policy): what `make demo` does, audited on the trl
+arm of the session's comparison, plus a failing plan, the SFT recipe and the programme tracks.
 
 Slow: the first run builds the trl environment (~1.5 min) and the tiny policy (~4 min); both are
 cached under RUNNER_CACHE_DIR (default ~/.cache/runner) and reused afterwards.
@@ -30,12 +31,10 @@ def runner(*args: str, check: bool = False) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("runs") / "trl-demo"
-    result = runner("qualify", "--stack", "trl", "--plan", str(PLAN), "--run-dir", str(run_dir), "--json")
-    summary = json.loads(result.stdout)
-    assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}\n{result.stderr[-3000:]}"
-    return run_dir
+def demo_run(local_comparison) -> Path:
+    """The trl arm of the session's comparison (what `make demo` runs, on this plan): one run of the arm
+    serves every test here instead of a second qualification of the same plan."""
+    return local_comparison[0] / "arms" / "trl"
 
 
 def test_every_stage_passes(demo_run):

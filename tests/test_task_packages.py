@@ -78,11 +78,12 @@ def test_tasks_check_builds_the_package_and_checks_its_family(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stack", ["trl", "verifiers"])
-def test_stack_jobs_find_the_packages_family_and_score_its_scripted_cases(stack, tmp_path):
-    """The probe and service stages on the example plan: the family loads inside the stack's jobs (the
-    built package on their path, the stack environment untouched), the stack's own environment scores the
-    family's scripted episodes as its reference scorer does, and the lock gate does not count the package."""
+def test_stack_jobs_find_the_packages_family_and_score_its_scripted_cases(tmp_path):
+    """The probe and service stages of an environment arm on the example plan: the family loads inside the
+    jobs of both environments (verifiers' own, whose tool server lists every family, and its trl
+    trainer's; the built package on their path, the environments untouched), the stack scores the family's
+    scripted episodes as its reference scorer does, and neither lock gate counts the package."""
+    stack = "verifiers"
     run_dir = tmp_path / stack
     result = subprocess.run([RUNNER, "qualify", "--stack", stack, "--plan", str(EXAMPLE / "plan.yaml"), "--stages",
                              "probe,service", "--run-dir", str(run_dir), "--json"], capture_output=True, text=True,
@@ -92,4 +93,4 @@ def test_stack_jobs_find_the_packages_family_and_score_its_scripted_cases(stack,
     service = stage_evidence(run_dir, "service")
     assert service["metrics"]["cases"] >= 12 and service["metrics"]["splits"]["train"]["family"] == "shop-total"
     probe = {g["name"]: g for g in stage_evidence(run_dir, "probe")["gates"]}
-    assert probe["probe:lock-match"]["passed"]
+    assert probe["probe:lock-match"]["passed"] and probe["trainer:lock-match"]["passed"]
