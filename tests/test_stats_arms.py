@@ -84,3 +84,26 @@ def test_the_detectable_difference_is_the_mcnemar_power_approximation():
     assert detectable_difference(48, 0) == detectable_difference(48, 2)  # no discordance: 2 assumed
     assert detectable_difference(4, 4) == 1.0 and detectable_difference(0, 0) is None
     assert detectable_difference(400, 40) < detectable_difference(100, 10)  # more items, finer
+
+
+def test_items_needed_inverts_the_detectable_difference_and_the_cli_says_so():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from qualification.stats import detectable_difference, items_needed
+
+    n = items_needed(0.05, 0.25)
+    assert n == 785  # ceil(2.80158^2 * 0.25 / 0.05^2)
+    assert detectable_difference(n, round(0.25 * n)) <= 0.05 < detectable_difference(n - 10, round(0.25 * (n - 10)))
+    with pytest.raises(ValueError, match="cannot exceed the share of items"):
+        items_needed(0.3, 0.2)
+    runner = str(Path(sys.executable).parent / "runner")
+    plan = str(Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml")
+    out = json.loads(subprocess.run([runner, "plan", "power", plan, "--effect", "0.05", "--json"], capture_output=True,
+                                    text=True, check=True).stdout)
+    assert (out["items_needed"], out["seeds_needed_at_plan_n"], out["plan_items"]) == (785, 17, 48)
+    bad = subprocess.run([runner, "plan", "power", plan, "--effect", "0.5", "--discordance", "0.2"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "cannot exceed the share of items" in bad.stderr and "Traceback" not in bad.stderr

@@ -229,3 +229,13 @@ def detectable_difference(n: int, discordant: int, confidence: float = 0.95, pow
         return None
     psi = max(discordant, 2) / n
     return min(1.0, (_z(confidence) + _z(2 * power - 1)) * math.sqrt(psi / n))
+
+
+def items_needed(effect: float, discordance: float, confidence: float = 0.95, power: float = 0.8) -> int:
+    """Paired items (items x seeds, when seeds are pooled) a two-sided McNemar test needs to detect a
+    difference of `effect` in success rate with probability `power`, when a share `discordance` of items
+    come out differently for the two policies (the inverse of detectable_difference)."""
+    if not 0 < effect <= discordance <= 1:
+        raise ValueError(f"need 0 < effect ({effect}) <= discordance ({discordance}) <= 1: a difference in success "
+                         "rate cannot exceed the share of items on which the two policies differ")
+    return math.ceil((_z(confidence) + _z(2 * power - 1)) ** 2 * discordance / effect ** 2)
