@@ -78,6 +78,7 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
                        "rollout_stage_rollouts_per_s": rollout.get("rollouts_per_s")},
         "final_weights_sha256": _final_weights(evidence),
         "evaluation": data.get("evaluation") or {},
+        "release": data.get("release"),
     }
 
 
@@ -133,6 +134,9 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         ("held-out (greedy)", [split(a, "heldout") for a in arms]),
         ("retention (greedy)", [split(a, "retention") for a in arms]),
     ]
+    if any(a.get("release") for a in arms):
+        rows.append(("release", [(a["release"]["verdict"] + "".join(f"; {c}" for c in a["release"]["failed"]))
+                                 if a.get("release") else "–" for a in arms]))
     return rows
 
 

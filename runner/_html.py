@@ -182,6 +182,13 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
                 f'<code>{_e((plan.policy.sha256 or "")[:16])}</code> · recipe {_e(plan.recipe)} · '
                 f'<span class="badge {"pass" if passed_all else "fail"}">'
                 f'{"every gate passed" if passed_all else "not qualified"}</span></p>']
+    releases = [(arm, data["release"]) for arm, _, data in arms if data.get("release")]
+    if releases:
+        rows = "".join(f"<tr><td>{_e(arm)}</td><td><span class='badge {'pass' if r['verdict'] == 'release' else 'fail'}'>"
+                       f"{_e(r['verdict'])}</span></td><td>{_e('; '.join(r['failed']) or 'every condition met')}</td></tr>"
+                       for arm, r in releases)
+        sections.append(f"<h2>Release</h2><table><tr><th>arm</th><th>verdict</th><th>conditions not met</th></tr>"
+                        f"{rows}</table>")
     if comparison is not None:
         sections.append("<h2>Side by side</h2>" + comparison_table(*comparison))
     for split, found in (arm_tests or {}).items():

@@ -71,12 +71,48 @@ def _mismatch(stage: Evidence | None) -> dict[str, Any] | None:
                                                for step, figures in panel["per_step"].items() if figures.get("tokens")}}
 
 
+def release_verdict(plan: Plan, data: dict[str, Any], evidence: list[Evidence]) -> dict[str, Any] | None:
+    """The plan's release conditions (plan.release) applied to one arm: "release", or "hold" naming each
+    condition that failed. None when the plan sets no conditions."""
+    spec = plan.release
+    if spec is None:
+        return None
+    failed = []
+    if not data["passed"]:
+        failed.append("every gate passed: " + (", ".join(data["failed_gates"][:3]) or
+                                               "not every stage passed (" + ", ".join(
+                                                   f"{s} {v}" for s, v in data["stages"].items() if v != "passed") + ")"))
+    heldout, retention = data["evaluation"].get("heldout"), data["evaluation"].get("retention")
+    if spec.heldout_alpha is not None:
+        if not heldout:
+            failed.append("held-out improved: not evaluated")
+        elif not (heldout["difference"] > 0 and heldout["p_value"] < spec.heldout_alpha):
+            failed.append(f"held-out improved at alpha {spec.heldout_alpha:g}: {heldout['base']} -> "
+                          f"{heldout['trained']}, p={heldout['p_value']:.3g}")
+    if spec.retention is not None:
+        if not retention:
+            failed.append("retention: not evaluated")
+        elif spec.retention == "zero-drop" and retention["trained_k"] < retention["base_k"]:
+            failed.append(f"retention zero-drop: {retention['base_k']} -> {retention['trained_k']} of {retention['n']}")
+        elif spec.retention == "non-inferior" and not any(
+                g.passed for e in evidence for g in e.gates if g.name == "evaluate:retention"):
+            failed.append(f"retention non-inferior within {plan.gates.retention_margin:g}: "
+                          f"{retention['base']} -> {retention['trained']}")
+    if spec.max_token_mult_prob_error is not None:
+        mismatch = data.get("mismatch")
+        median = mismatch["median_token_mult_prob_error"] if mismatch else None
+        if median is None or median > spec.max_token_mult_prob_error:
+            failed.append(f"token_mult_prob_error median <= {spec.max_token_mult_prob_error:g}: "
+                          + (f"{median:.4f}" if median is not None else "no training logprobs"))
+    return {"verdict": "hold" if failed else "release", "failed": failed}
+
+
 def summary(plan: Plan, evidence: list[Evidence]) -> dict[str, Any]:
     by_stage = {e.stage: e for e in evidence}
     evaluate = by_stage.get("evaluate")
     train = by_stage.get("train")
     update = by_stage.get("update")
-    return {
+    data = {
         "plan_id": plan.plan_id,
         "plan": plan.name,
         "stack": evidence[0].stack if evidence else None,
@@ -91,6 +127,8 @@ def summary(plan: Plan, evidence: list[Evidence]) -> dict[str, Any]:
         "evaluation": {k: v for k, v in (evaluate.metrics.items() if evaluate else []) if isinstance(v, dict)},
         "environment": msgspec.to_builtins(evidence[0].environment) if evidence and evidence[0].environment else None,
     }
+    data["release"] = release_verdict(plan, data, evidence)
+    return data
 
 
 def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
@@ -101,6 +139,8 @@ def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
         "",
         f"- plan_id: `{plan.plan_id}`",
         f"- verdict: **{'all gates passed' if data['passed'] else 'did not qualify'}**",
+        *([f"- release: **{data['release']['verdict']}**" + "".join(f"; failed: {c}" for c in data["release"]["failed"])]
+          if data.get("release") else []),
         f"- policy: {plan.policy.kind} `{(plan.policy.sha256 or '')[:16]}`",
         f"- environment: engine {env.get('engine')}, Python {env.get('python')}, "
         f"{upstream.get('name')} {upstream.get('version')}, lock `{(env.get('lock_sha256') or '')[:16]}`",

@@ -108,6 +108,11 @@ def qualify(
                           f"({split['test']}, p={split['p_value']:.3g}"
                           + (f"; detects a difference of {detectable:.0%} or more at 80% power" if detectable else "")
                           + ")", highlight=False)
+        if data.get("release"):
+            release = data["release"]
+            colour = "green" if release["verdict"] == "release" else "yellow"
+            console.print(f"release: [{colour}]{release['verdict']}[/]" + "".join(f"\n  failed: {c}" for c in release["failed"]),
+                          highlight=False)
         verdict = "[green]qualified: every gate passed[/]" if data["passed"] else "[red]not qualified[/]"
         console.print(f"{verdict}\nrun directory: {target}\nreport: {target / 'report.md'} and {target / 'report.html'}",
                       highlight=False)

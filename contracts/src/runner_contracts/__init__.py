@@ -40,6 +40,7 @@ from .records import (
     PolicySpec,
     Provenance,
     Record,
+    ReleaseSpec,
     RewardSpec,
     RolloutLedger,
     RolloutRequest,
@@ -61,7 +62,7 @@ from .records import (
 __all__ = [
     "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration",
     "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "FaultSpec", "EvalRecord", "Evidence", "GateResult", "GateSpec", "Hardware",
-    "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Provenance", "Record", "RecordError", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
+    "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Provenance", "Record", "RecordError", "ReleaseSpec", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageRequest", "StageResult", "TaskPackage", "TaskSpec", "ToolCallRecord", "TrainingRow",
     "Trajectory", "Upstream", "canonical_json", "decode_record", "encode", "freeze_plan", "iter_jsonl",
     "plan_id", "read_jsonl", "read_record", "sha256_bytes", "sha256_file", "write_atomic",

@@ -92,6 +92,17 @@ class GateSpec(Record, kw_only=True):
     confidence: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.95
 
 
+class ReleaseSpec(Record, kw_only=True):
+    """When a trained checkpoint may ship: every gate passed, and each condition given here. `heldout_alpha`:
+    held-out improved in the paired test at this significance; `retention`: "non-inferior" (the
+    evaluate:retention gate's margin) or "zero-drop" (not one success fewer than the base); the mismatch
+    panel's median token_mult_prob_error at most `max_token_mult_prob_error`."""
+
+    heldout_alpha: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
+    retention: Literal["non-inferior", "zero-drop"] | None = None
+    max_token_mult_prob_error: Annotated[float, msgspec.Meta(ge=1)] | None = None
+
+
 class Plan(Record, kw_only=True):
     contract: Literal["plan"] = "plan"
     version: int = 1
@@ -104,6 +115,7 @@ class Plan(Record, kw_only=True):
     budget: BudgetSpec
     seeds: list[int] = msgspec.field(default_factory=lambda: [0])
     gates: GateSpec = msgspec.field(default_factory=GateSpec)
+    release: ReleaseSpec | None = None  # plan_id leaves it out when absent: earlier plans keep their ids
     plan_id: Sha256 | None = None
 
 
