@@ -69,6 +69,14 @@ def test_comparison_carries_the_figures(comparison):
         assert arm["recovery"]["resume_passed"] is True
         # Measured by each stack's probe; the local engine isolates neither network nor filesystem.
         assert set(arm["isolation"]["reach"]) >= {"outbound_tcp", "write_outside_run_dir"}
+        # fp32 on CPU, the same weights sampling and training: the mismatch panel must read agreement.
+        mismatch = arm["trace_fidelity"]["mismatch"]
+        assert mismatch["stage"] == "train" and abs(mismatch["median_token_mult_prob_error"] - 1) < 1e-3
+        assert 0 < arm["evaluation"]["heldout"]["detectable_difference"] <= 1
+    heldout = data["arm_tests"]["heldout"]  # every pair of the six arms on the same held-out items
+    assert len(heldout["pairs"]) == 15 and {p["n"] for p in heldout["pairs"]} == {48}
+    twins = [p for p in heldout["pairs"] if "trl" not in (p["first"], p["second"])]
+    assert {p["verdict"] for p in twins} == {"indistinguishable"}  # the same weights solve the same items
 
 
 def test_environment_arms_that_see_the_same_conversations_train_the_same_weights(comparison):
