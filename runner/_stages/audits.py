@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from qualification.gates import TraceAudit, call_gates
+from qualification.tasks import get_family
 from runner_contracts import GateResult, PolicyCall, RolloutLedger, StageResult, TrainingRow, Trajectory, iter_jsonl
 
 from .._policy import vocab_size
@@ -23,7 +24,8 @@ def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] 
     audit.add_rows(record for _, record in iter_jsonl(out / "training.jsonl", TrainingRow))
     gates = audit.gates()
     if signal:
-        gates += audit.degeneracy_gates(arm.plan.gates.min_groups_with_variance)
+        gates += audit.degeneracy_gates(arm.plan.gates.min_groups_with_variance,
+                                        expects_tools=bool(get_family(arm.plan.task.family).tools))
     gates.append(audit.revision_gate(arm.plan.policy.sha256 or "", revisions or {}))
     metrics = {
         "episodes": audit.counts["episodes"], "policy_tokens": audit.counts["policy_tokens"],

@@ -133,3 +133,36 @@ def show(
             text = (json.dumps([c["function"] for c in calls], ensure_ascii=False) if calls
                     else message.get("content", ""))
             console.print(f"  [cyan]{message['role']}[/]: {text}", highlight=False, markup=True)
+
+
+@app.command("from-dataset")
+def from_dataset(
+    dataset: Path = typer.Argument(..., metavar="FILE", help="A .jsonl or .csv file, one row per prompt."),
+    name: str = typer.Option(..., "--name", help="The family's name, e.g. support-faq."),
+    scorer: str = typer.Option(..., "--scorer", help="exact, numeric, choice or regex (the row's pattern column)."),
+    out: Path = typer.Option(..., "--out", help="Folder to write the task package into."),
+    id_column: str = typer.Option("id", "--id-column"),
+    prompt_column: str = typer.Option("prompt", "--prompt-column"),
+    answer_column: str = typer.Option("answer", "--answer-column"),
+    split_column: str = typer.Option("split", "--split-column", help="train / heldout / retention per row; rows "
+                                                                     "without one are split by a hash of the prompt."),
+    pattern_column: str = typer.Option("pattern", "--pattern-column", help="Scorer regex: accepted replies."),
+    heldout_share: float = typer.Option(0.25, "--heldout-share", help="Share of hash-split rows held out."),
+    tolerance: float = typer.Option(1e-6, "--tolerance", help="Scorer numeric: absolute tolerance."),
+    system_prompt: str = typer.Option("Answer on the last line as 'Answer: <answer>'.", "--system-prompt"),
+) -> None:
+    """Turn a dataset file into a task package: every row checked (a missing answer, a duplicate id, an
+    empty prompt, a prompt in both train and held-out are refused, naming file, line and column), the rows
+    and a family written to --out. Name the folder in a plan's task.packages to qualify on it."""
+    from .._datasets import Columns, read_dataset, write_package
+
+    with cli_errors():
+        rows = read_dataset(dataset, scorer, Columns(id=id_column, prompt=prompt_column, answer=answer_column,
+                                                     split=split_column, pattern=pattern_column), heldout_share)
+        write_package(out, name, rows, scorer, tolerance=tolerance, system_prompt=system_prompt)
+    counts = {split: sum(1 for row in rows if row["split"] == split) for split in ("train", "heldout", "retention")}
+    console.print(f"{name}: {len(rows)} rows ({', '.join(f'{k} {v}' for k, v in counts.items() if v)}) in {out}\n"
+                  f"in a plan:\n  task:\n    family: {name}\n    packages: [{out}]\n"
+                  f"    train: {{split: train, n: {counts['train']}, seed: 1}}\n"
+                  f"    heldout: {{split: heldout, n: {counts['heldout']}, seed: 2}}\n"
+                  f"  reward: {{scorer: {name}, version: 1}}", highlight=False, markup=False)

@@ -179,16 +179,18 @@ class TraceAudit:
     def reward_per_step(self) -> dict[int, float]:
         return {step: sum(r) / len(r) for step, r in sorted(self.step_rewards.items())}
 
-    def degeneracy_gates(self, min_groups_with_variance: float) -> list[GateResult]:
-        """Rewards, advantages and tool use must carry signal, or an update proves nothing."""
+    def degeneracy_gates(self, min_groups_with_variance: float, expects_tools: bool = True) -> list[GateResult]:
+        """Rewards, advantages and tool use (for a family that has tools) must carry signal, or an update
+        proves nothing."""
         episodes = self.counts["episodes"] or 1
         groups = len(self.group_rewards) or 1
         varied = sum(1 for rewards in self.group_rewards.values() if len(set(rewards)) > 1)
         tool_share = self.counts["episodes_with_tool_calls"] / episodes
-        return [
-            GateResult(name="signal:tool-calls", passed=self.counts["episodes_with_tool_calls"] > 0,
-                       measured=round(tool_share, 4), threshold="> 0",
-                       detail=f"{self.counts['episodes_with_tool_calls']}/{self.counts['episodes']} episodes called a tool"),
+        tools = [GateResult(name="signal:tool-calls", passed=self.counts["episodes_with_tool_calls"] > 0,
+                            measured=round(tool_share, 4), threshold="> 0",
+                            detail=f"{self.counts['episodes_with_tool_calls']}/{self.counts['episodes']} episodes "
+                                   "called a tool")] if expects_tools else []
+        return tools + [
             GateResult(name="signal:reward-variance", passed=varied / groups >= min_groups_with_variance and varied > 0,
                        measured=round(varied / groups, 4), threshold=min_groups_with_variance,
                        detail=f"{varied}/{len(self.group_rewards)} groups have reward variance"),

@@ -47,13 +47,14 @@ def check_family(family: TaskFamily, n: int = 8, seed: int = 0) -> tuple[list[st
     if "train" not in family.frozen_splits:
         problems.append(f"frozen_splits {sorted(family.frozen_splits)} has no train split")
     for split in family.frozen_splits:
+        count = min(n, family.frozen_splits[split][0])  # a dataset's split may hold fewer rows than n
         try:
-            items = family.generate(split, n, seed)
+            items = family.generate(split, count, seed)
         except Exception as error:
-            problems.append(f"generate({split!r}, {n}, {seed}) raised {type(error).__name__}: {error}")
+            problems.append(f"generate({split!r}, {count}, {seed}) raised {type(error).__name__}: {error}")
             continue
         splits[split] = items
-        if [i.to_json() for i in family.generate(split, n, seed)] != [i.to_json() for i in items]:
+        if [i.to_json() for i in family.generate(split, count, seed)] != [i.to_json() for i in items]:
             problems.append(f"{split}: generate is not deterministic for seed {seed}")
         ids = [item.task_id for item in items]
         if len(set(ids)) != len(ids):

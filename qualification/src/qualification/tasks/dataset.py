@@ -1,0 +1,123 @@
+"""Dataset families: prompts with reference answers from a team's own file, scored by a built-in scorer.
+
+`runner tasks from-dataset` validates a JSONL or CSV file and writes a task package around it (the rows
+normalised into data.jsonl, a family class configured here); a plan then names it like any task package.
+Every row is {"id", "prompt", "answer", "split"} (and, for the regex scorer, the "pattern" of accepted
+replies); a policy answers on its last line as 'Answer: <answer>'.
+Scorers: exact (case, surrounding space and final punctuation ignored), numeric (within an absolute
+tolerance), choice (the option letter), regex (the reply matches the row's pattern in full)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+from typing import Any
+
+from .base import Score, TaskItem, ToolSpec, Transcript
+
+SCORERS = ("exact", "numeric", "choice", "regex")
+ANSWER = re.compile(r"^Answer:\s*(.*?)\s*$")
+NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+LETTER = re.compile(r"^\(?([A-Za-z])\)?(?:[.):]|\s|$)")
+
+
+def final_answer(text: str) -> str | None:
+    """What follows 'Answer:' on the reply's last non-empty line, or None."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    match = ANSWER.match(lines[-1]) if lines else None
+    return match.group(1) if match else None
+
+
+def normalise(text: str) -> str:
+    return " ".join(text.casefold().split()).rstrip(".!?")
+
+
+def number(text: str) -> float | None:
+    cleaned = text.replace(",", "").strip()
+    return float(cleaned) if NUMBER.match(cleaned) else None
+
+
+def letter(text: str) -> str | None:
+    match = LETTER.match(text.strip())
+    return match.group(1).upper() if match else None
+
+
+def correct(scorer: str, reply: str, reference: str, tolerance: float = 1e-6, pattern: str | None = None) -> bool:
+    """Whether a final answer matches the reference under the scorer."""
+    if scorer == "exact":
+        return normalise(reply) == normalise(reference)
+    if scorer == "numeric":
+        got, want = number(reply), number(reference)
+        return got is not None and want is not None and abs(got - want) <= tolerance
+    if scorer == "choice":
+        return letter(reply) is not None and letter(reply) == letter(reference)
+    if scorer == "regex":
+        return re.fullmatch(pattern if pattern is not None else re.escape(reference), reply.strip()) is not None
+    raise ValueError(f"unknown scorer {scorer!r}; scorers are {', '.join(SCORERS)}")
+
+
+def wrong_answer(scorer: str, reference: str) -> str:
+    """A final answer the scorer must reject (the service stage's known-bad case)."""
+    if scorer == "numeric":
+        return str((number(reference) or 0) + 1)
+    if scorer == "choice":
+        return "B" if letter(reference) == "A" else "A"
+    return f"not {reference}" if scorer == "exact" else "\u2205"
+
+
+class DatasetFamily:
+    """A family over normalised rows (data.jsonl beside the generated package's module)."""
+
+    scorer_version = 1
+    synthetic = False
+    tools: tuple[ToolSpec, ...] = ()
+
+    def __init__(self, name: str, rows: Path, scorer: str, *, tolerance: float = 1e-6,
+                 system_prompt: str = "Answer on the last line as 'Answer: <answer>'."):
+        if scorer not in SCORERS:
+            raise ValueError(f"unknown scorer {scorer!r}; scorers are {', '.join(SCORERS)}")
+        self.name, self.scorer, self.tolerance, self.system_prompt = name, scorer, tolerance, system_prompt
+        self.rows = [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
+        self.by_split: dict[str, list[dict[str, Any]]] = {}
+        for row in self.rows:
+            self.by_split.setdefault(row["split"], []).append(row)
+        self.frozen_splits = {split: (len(rows), 0) for split, rows in self.by_split.items()}
+
+    def generate(self, split: str, n: int, seed: int) -> list[TaskItem]:
+        """n rows of the split, in an order fixed by the seed (seed 0: the file's order)."""
+        rows = list(self.by_split.get(split, []))
+        if n > len(rows):
+            raise ValueError(f"{self.name}: split {split!r} has {len(rows)} rows, the plan asks for {n}")
+        if seed:
+            random.Random(f"{self.name}/{split}/{seed}").shuffle(rows)
+        return [TaskItem(family=self.name, split=split, task_id=f"{self.name}/{row['id']}", question=row["prompt"],
+                         reference={"answer": row["answer"], **({"pattern": row["pattern"]} if row.get("pattern") else {})})
+                for row in rows[:n]]
+
+    def initial_state(self, item: TaskItem) -> dict[str, Any]:
+        return {}
+
+    def call_tool(self, item: TaskItem, state: dict[str, Any], name: str, arguments: dict[str, Any]) -> str:
+        return f"error: this task has no tool {name!r}"
+
+    def score(self, item: TaskItem, transcript: Transcript) -> Score:
+        reply = final_answer(transcript.final_text)
+        ok = reply is not None and correct(self.scorer, reply, str(item.reference["answer"]), self.tolerance,
+                                           item.reference.get("pattern"))
+        return Score(reward=float(ok), success=ok, components={"well_formed": float(reply is not None),
+                                                               "correct": float(ok)},
+                     outcome="success" if ok else "failure")
+
+    def demonstration(self, item: TaskItem) -> list[dict[str, Any]]:
+        return [{"role": "assistant", "content": f"Answer: {item.reference['answer']}"}]
+
+    def scripted_cases(self, item: TaskItem) -> list[dict[str, Any]]:
+        answer = str(item.reference["answer"])
+        return [
+            {"case": "correct", "expected_success": True, "turns": [{"text": f"Answer: {answer}"}]},
+            {"case": "wrong", "expected_success": False,
+             "turns": [{"text": f"Answer: {wrong_answer(self.scorer, answer)}"}]},
+            {"case": "no-answer-line", "expected_success": False, "turns": [{"text": answer}]},
+        ]

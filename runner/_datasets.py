@@ -1,0 +1,133 @@
+"""A team's dataset file (JSONL or CSV of prompts and reference answers) turned into a task package: every
+row checked (file, line, column), splits taken from a column or by a stable hash of the prompt, the rows
+normalised into the package's data.jsonl, a family (qualification.tasks.dataset.DatasetFamily)
+registered under the runner.task_families entry point group. A plan then names the package in
+task.packages, so its content hash, and so the data's, is part of the plan id."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from qualification.tasks.dataset import SCORERS, letter, number
+from runner_contracts import write_atomic
+
+from ._errors import UserError
+
+SPLITS = ("train", "heldout", "retention")
+
+
+@dataclass(frozen=True)
+class Columns:
+    id: str = "id"
+    prompt: str = "prompt"
+    answer: str = "answer"
+    split: str | None = "split"
+    pattern: str = "pattern"
+
+
+def _records(path: Path) -> list[tuple[int, dict]]:
+    """(line, record) for each row; refuses what is not a JSONL or CSV file of objects."""
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    if path.suffix == ".jsonl":
+        found = []
+        for line_number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise UserError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise UserError(f"{path}:{line_number}: expected a JSON object per line")
+            found.append((line_number, record))
+        return found
+    if path.suffix == ".csv":
+        with open(path, newline="") as handle:
+            return [(index + 2, row) for index, row in enumerate(csv.DictReader(handle))]  # line 1: header
+    raise UserError(f"{path}: expected a .jsonl or .csv file (Parquet: convert it to JSONL first; reading it "
+                    "needs pyarrow, which runner does not install)")
+
+
+def read_dataset(path: Path, scorer: str, columns: Columns = Columns(), heldout_share: float = 0.25) -> list[dict]:
+    """Normalised rows {"id", "prompt", "answer", "split"[, "pattern"]}; every problem is one UserError naming
+    the file, line and column."""
+    if scorer not in SCORERS:
+        raise UserError(f"--scorer {scorer!r}: scorers are {', '.join(SCORERS)}")
+    rows, seen_ids, prompts = [], {}, {}
+    records = _records(path)
+    if not records:
+        raise UserError(f"{path}: no rows")
+    for line, record in records:
+        def value(column: str | None, required: bool = True) -> str:
+            text = "" if column is None or record.get(column) is None else str(record[column]).strip()
+            if required and not text:
+                raise UserError(f"{path}:{line}: column {column!r}: missing or empty (columns here: "
+                                f"{', '.join(sorted(record))})")
+            return text
+
+        row_id, prompt, answer = value(columns.id), value(columns.prompt), value(columns.answer)
+        if row_id in seen_ids:
+            raise UserError(f"{path}:{line}: column {columns.id!r}: duplicate id {row_id!r} (first on line "
+                            f"{seen_ids[row_id]})")
+        seen_ids[row_id] = line
+        split = value(columns.split, required=False) if columns.split and columns.split in record else ""
+        if split and split not in SPLITS:
+            raise UserError(f"{path}:{line}: column {columns.split!r}: {split!r} is not one of {', '.join(SPLITS)}")
+        if not split:
+            bucket = int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 10_000 / 10_000
+            split = "heldout" if bucket < heldout_share else "train"
+        if scorer == "numeric" and number(answer) is None:
+            raise UserError(f"{path}:{line}: column {columns.answer!r}: {answer!r} is not a number (scorer numeric)")
+        if scorer == "choice" and letter(answer) is None:
+            raise UserError(f"{path}:{line}: column {columns.answer!r}: {answer!r} is not an option letter "
+                            "(scorer choice)")
+        row = {"id": re.sub(r"[^A-Za-z0-9_.-]", "_", row_id), "prompt": prompt, "answer": answer, "split": split}
+        if scorer == "regex":
+            pattern = value(columns.pattern)
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise UserError(f"{path}:{line}: column {columns.pattern!r}: not a regular expression ({error})") \
+                    from None
+            if not re.fullmatch(pattern, answer):
+                raise UserError(f"{path}:{line}: column {columns.pattern!r}: does not match the row's own answer")
+            row["pattern"] = pattern
+        key = " ".join(prompt.casefold().split())
+        earlier = prompts.get(key)
+        if earlier and {earlier[1], split} == {"train", "heldout"}:
+            raise UserError(f"{path}:{line}: column {columns.prompt!r}: the same prompt is in train and heldout "
+                            f"(line {earlier[0]})")
+        prompts.setdefault(key, (line, split))
+        rows.append(row)
+    if not any(row["split"] == "train" for row in rows):
+        raise UserError(f"{path}: no train rows (split column {columns.split!r}, or --heldout-share below 1)")
+    return rows
+
+
+def write_package(out: Path, name: str, rows: list[dict], scorer: str, *, tolerance: float,
+                  system_prompt: str) -> Path:
+    """A task package in `out` holding the rows and a family named `name`; returns the plan snippet's path."""
+    if not re.fullmatch(r"[a-z][a-z0-9-]*", name):
+        raise UserError(f"--name {name!r}: lower-case letters, digits and dashes, starting with a letter")
+    module = "dataset_" + name.replace("-", "_")
+    source = out / "src" / module
+    source.mkdir(parents=True, exist_ok=True)
+    write_atomic(source / "data.jsonl", "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode())
+    write_atomic(source / "__init__.py", (
+        f'"""Task family {name!r}, generated by `runner tasks from-dataset` from {len(rows)} rows."""\n\n'
+        "from pathlib import Path\n\nfrom qualification.tasks.dataset import DatasetFamily\n\n"
+        f"FAMILY = DatasetFamily({name!r}, Path(__file__).with_name('data.jsonl'), {scorer!r}, "
+        f"tolerance={tolerance!r}, system_prompt={system_prompt!r})\n").encode())
+    write_atomic(out / "pyproject.toml", (
+        '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n\n'
+        f'[project]\nname = "{module.replace("_", "-")}"\nversion = "1.0.0"\nrequires-python = ">=3.10"\n\n'
+        '[tool.setuptools.packages.find]\nwhere = ["src"]\n\n'
+        f'[tool.setuptools.package-data]\n{module} = ["data.jsonl"]\n\n'
+        f'[project.entry-points."runner.task_families"]\n{name} = "{module}:FAMILY"\n').encode())
+    return out
