@@ -87,13 +87,53 @@ def resolve_policy(plan: Plan, engine: LocalEngine) -> Plan:
         if not spec.path:
             raise UserError("plan field policy.path: required when policy.kind is 'path'")
         path = Path(spec.path).expanduser().resolve()
-        if not (path / WEIGHTS).is_file():
-            raise UserError(f"plan field policy.path: {path} has no {WEIGHTS}")
+        problems = checkpoint_problems(path)
+        if problems:
+            raise UserError("plan field policy.path: the checkpoint cannot be used:\n  " + "\n  ".join(problems))
     digest = sha256_file(path / WEIGHTS)
     if spec.kind == "path" and spec.sha256 and spec.sha256 != digest:
         raise UserError(f"plan field policy.sha256: {path / WEIGHTS} has sha256 {digest}, the plan pins {spec.sha256}")
     policy = msgspec.structs.replace(spec, path=str(path), sha256=digest, revision=spec.revision or digest[:12])
     return freeze_plan(msgspec.structs.replace(plan, policy=policy, plan_id=None))
+
+
+def checkpoint_problems(path: Path) -> list[str]:
+    """What keeps a checkpoint folder from being served and trained by every arm, one line per problem,
+    each naming the file: the config, the weights, a tokenizer, a chat template, and a template that
+    renders Hermes-style <tool_call> blocks (the one tool-call format the policy server and the arms speak)."""
+    if not path.is_dir():
+        return [f"{path}: no such folder"]
+    problems = []
+    try:
+        config = json.loads((path / "config.json").read_text())
+        if "vocab_size" not in config:
+            problems.append(f"{path / 'config.json'}: no vocab_size")
+    except FileNotFoundError:
+        problems.append(f"{path / 'config.json'}: missing")
+    except json.JSONDecodeError as error:
+        problems.append(f"{path / 'config.json'}: not valid JSON ({error.msg}, line {error.lineno})")
+    if not (path / WEIGHTS).is_file():
+        sharded = " (sharded weights are not supported yet)" if (path / f"{WEIGHTS}.index.json").is_file() else ""
+        problems.append(f"{path / WEIGHTS}: missing{sharded}")
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        problems.append(f"{path / 'tokenizer.json'}: missing (nor a tokenizer.model)")
+    template = None
+    if (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    else:
+        try:
+            template = json.loads((path / "tokenizer_config.json").read_text()).get("chat_template")
+        except (FileNotFoundError, json.JSONDecodeError):
+            template = None
+        if isinstance(template, list):  # named templates: the default one is what chat requests use
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    if not template:
+        problems.append(f"{path / 'tokenizer_config.json'}: no chat_template (nor a chat_template.jinja)")
+    elif "<tool_call>" not in template:
+        problems.append(f"{path}: the chat template renders no Hermes-style <tool_call> blocks, the one tool-call "
+                        "format the policy server and the arms speak (Llama 3 JSON and Mistral [TOOL_CALLS] "
+                        "templates are not supported yet)")
+    return problems
 
 
 def vocab_size(policy_dir: Path) -> int:

@@ -1,0 +1,56 @@
+"""A checkpoint given by path is checked before any stage: one line per problem, naming the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from runner._policy import checkpoint_problems
+from runner.api import UserError, load_plan, resolve_policy
+
+PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml"
+HERMES = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}"
+
+
+def checkpoint(folder: Path, **override: str | None) -> Path:
+    files = {"config.json": json.dumps({"vocab_size": 640, "model_type": "qwen2"}), "model.safetensors": "weights",
+             "tokenizer.json": "{}", "tokenizer_config.json": json.dumps({"chat_template": HERMES})}
+    files.update(override)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        if text is not None:
+            (folder / name).write_text(text)
+    return folder
+
+
+def test_a_complete_checkpoint_has_no_problem(tmp_path):
+    assert checkpoint_problems(checkpoint(tmp_path / "ok")) == []
+
+
+@pytest.mark.parametrize(("override", "problem"), [
+    ({"config.json": None}, "config.json: missing"),
+    ({"config.json": "{"}, "config.json: not valid JSON"),
+    ({"config.json": "{}"}, "config.json: no vocab_size"),
+    ({"model.safetensors": None}, "model.safetensors: missing"),
+    ({"tokenizer.json": None}, "tokenizer.json: missing (nor a tokenizer.model)"),
+    ({"tokenizer_config.json": "{}"}, "tokenizer_config.json: no chat_template (nor a chat_template.jinja)"),
+    ({"tokenizer_config.json": json.dumps({"chat_template": "{{ messages }}[TOOL_CALLS]"})},
+     "the chat template renders no Hermes-style <tool_call> blocks"),
+])
+def test_each_problem_is_named(tmp_path, override, problem):
+    found = checkpoint_problems(checkpoint(tmp_path / "ckpt", **override))
+    assert len(found) == 1 and problem in found[0] and str(tmp_path / "ckpt") in found[0], found
+
+
+def test_a_plan_with_a_broken_checkpoint_stops_before_any_stage(tmp_path):
+    import msgspec
+
+    folder = checkpoint(tmp_path / "ckpt", **{"model.safetensors": None, "tokenizer.json": None})
+    plan = load_plan(PLAN)
+    plan = msgspec.structs.replace(plan, policy=msgspec.structs.replace(plan.policy, kind="path", path=str(folder)))
+    with pytest.raises(UserError) as raised:
+        resolve_policy(plan, engine=None)
+    lines = str(raised.value).splitlines()
+    assert lines[0] == "plan field policy.path: the checkpoint cannot be used:" and len(lines) == 3
