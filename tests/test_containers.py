@@ -115,11 +115,8 @@ def test_container_isolation_blocks_network_and_input_writes(docker_run):
     assert reach["write_outside_run_dir"] is False
 
 
-def test_docker_trajectories_are_token_identical_to_the_local_engine(docker_run, tmp_path):
-    local = tmp_path / "local"
-    result = runner("qualify", "--stack", "trl", "--plan", str(CALC_PLAN), "--stages", "probe,rollout",
-                    "--run-dir", str(local), "--json")
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_docker_trajectories_are_token_identical_to_the_local_engine(docker_run, local_comparison):
+    local = local_comparison[0] / "arms" / "trl"  # the session comparison's trl arm: local engine, same plan
     assert stage_evidence(local, "probe")["metrics"]["reach"]["write_inputs"] is True  # the local engine isolates nothing
     in_docker, on_host = rollout_tokens(docker_run), rollout_tokens(local)
     assert len(in_docker) == 32 and in_docker == on_host
