@@ -97,3 +97,23 @@ def test_an_apptainer_job_gets_its_private_tmpdir_created(tmp_path, monkeypatch)
     command, out_dir = ApptainerEngine()._command(env, job)
     assert out_dir == stage and (stage / ".home" / "tmp").is_dir()
     assert f"TMPDIR={stage / '.home' / 'tmp'}" in command and (stage / "request.json").is_file()
+
+
+def test_inputs_reached_through_a_symlink_are_mounted_at_the_name_the_job_uses(tmp_path):
+    """A cache linked elsewhere (~/.cache -> /scratch/...): the job opens the policy by the linked name, so
+    that is where containers and SIFs must see it (found when a linked cache failed inside docker)."""
+    from conftest import CALC_PLAN
+
+    from runner._engines.jobs import read_only_inputs
+    from runner.api import load_plan
+
+    real = tmp_path / "scratch" / "policies" / "tiny"
+    real.mkdir(parents=True)
+    (tmp_path / "cache").symlink_to(tmp_path / "scratch")
+    linked = tmp_path / "cache" / "policies" / "tiny"
+    run_dir = tmp_path / "run"
+    request = StageRequest(run_id="r", stack="trl", stage="rollout", plan=load_plan(CALC_PLAN),
+                           out_dir=str(run_dir / "s"), policy_dir=str(linked),
+                           options={"trained_policy": str(run_dir / "stages" / "train" / "c")})
+    # the linked name, not the resolved one; the run directory's own input is mounted with the run directory
+    assert read_only_inputs(request, outside=run_dir) == [linked]

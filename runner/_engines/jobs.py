@@ -104,7 +104,9 @@ def file_lock(path: Path) -> Iterator[None]:
 def read_only_inputs(request: StageRequest, *, outside: Path | None = None) -> list[Path]:
     """Host paths a job reads: the policy, a checkpoint to resume from, a trained policy to evaluate, the
     plan's built task packages; with `outside`, only those not under that folder (the run directory,
-    mounted writable anyway)."""
+    mounted writable anyway). The paths are the ones the request names, made absolute but not resolved:
+    a job opens them by those names, so a policy or cache reached through a symlink (a home cache linked
+    to scratch space) is mounted at the name the job uses (the mount follows the link on the host)."""
     paths = [Path(request.policy_dir)] if request.policy_dir else []
     if task_package_dir(request.plan) is not None:
         paths.append(task_package_dir(request.plan))
@@ -112,8 +114,10 @@ def read_only_inputs(request: StageRequest, *, outside: Path | None = None) -> l
         paths.append(Path(request.resume_from))
     if request.options.get("trained_policy"):
         paths.append(Path(request.options["trained_policy"]))
-    resolved = [path.resolve() for path in paths]
-    return [p for p in resolved if not str(p).startswith(str(outside) + os.sep)] if outside else resolved
+    given = [Path(os.path.abspath(path)) for path in paths]
+    if outside is None:
+        return given
+    return [path for path in given if not str(path.resolve()).startswith(str(outside.resolve()) + os.sep)]
 
 
 def write_request(request: StageRequest) -> tuple[Path, Path]:
