@@ -11,7 +11,7 @@ from runner._policy import checkpoint_problems
 from runner.api import UserError, load_plan, resolve_policy
 
 PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml"
-HERMES = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}"
+from conftest import HERMES_TEMPLATE as HERMES
 
 
 def checkpoint(folder: Path, **override: str | None) -> Path:

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import gone, wait_until
+from conftest import gone, stand_in_checkpoint, wait_until
 from runner_contracts import StageRequest, StageResult, read_record
 from test_contracts import PLAN
 
@@ -139,10 +139,7 @@ def test_probe_gate_names_the_drifted_package(stack, engine, tmp_path):
     import sys
 
     env = engine.prepare(stack)
-    policy = tmp_path / "policy"
-    policy.mkdir()
-    (policy / "model.safetensors").write_bytes(b"weights are only hashed by the host")
-    (policy / "config.json").write_text('{"vocab_size": 10}')
+    policy = stand_in_checkpoint(tmp_path / "policy")
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.read_text().replace("  kind: tiny ", f"  path: {policy}\n  kind: path "))
     cli = [str(Path(sys.executable).parent / "runner"), "qualify", "--stack", "echo", "--plan", str(plan),

@@ -54,6 +54,16 @@ def test_qualification_is_submitted_followed_and_its_evidence_collected(cluster,
     assert (run_dir / "slurm" / "trl.sbatch").is_file() and list((run_dir / "slurm").glob("job-*.out"))
     jobs = status(cluster, run_dir)["jobs"]
     assert [(job["name"], job["state"]) for job in jobs] == [("trl", "COMPLETED")]
+    # Once slurmctld has purged the job (MinJobAge after its end), squeue -j refuses its id; status must still
+    # read how it ended (found by the soak loop: `runner status` exited 2 on a cancelled job purged in between).
+    job_id = jobs[0]["job_id"]
+    squeue = ["squeue", "-h", "-j", job_id]
+    wait_for(lambda: "Invalid job id" in subprocess.run(squeue, capture_output=True, text=True,
+                                                        env={**os.environ, **cluster.env}).stderr,
+             "slurmctld to purge the finished job", 120)
+    later = runner(cluster, "status", str(run_dir), "--json")
+    assert later.returncode == 0, later.stderr
+    assert [(job["name"], job["state"]) for job in json.loads(later.stdout)["jobs"]] == [("trl", "COMPLETED")]
 
 
 def test_dry_run_writes_scripts_and_submits_nothing(cluster, tmp_path):

@@ -79,9 +79,9 @@ def test_the_gpu_plan_renders_one_gpu_apptainer_job_per_arm(tmp_path):
     import subprocess
     import sys
 
-    checkpoint = tmp_path / "Qwen2.5-0.5B-Instruct"
-    checkpoint.mkdir()
-    (checkpoint / "model.safetensors").write_bytes(b"stand-in weights")
+    from conftest import stand_in_checkpoint
+
+    checkpoint = stand_in_checkpoint(tmp_path / "Qwen2.5-0.5B-Instruct", b"stand-in weights")
     plan_file = tmp_path / "calc-tool-gpu.yaml"
     plan_file.write_text((ROOT / "qualification" / "plans" / "calc-tool-gpu.yaml").read_text()
                          .replace("/shared/models/Qwen2.5-0.5B-Instruct", str(checkpoint)))

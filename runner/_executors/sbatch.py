@@ -192,6 +192,20 @@ def _slurm(cmd: list[str]) -> str:
     return result.stdout
 
 
+def _live_jobs(job_ids: list[str]) -> str:
+    """squeue's lines for the jobs slurmctld still holds. Once every one of them has ended and been purged
+    (MinJobAge after its end: 300 s by default), squeue -j refuses the ids ("Invalid job id specified",
+    exit 1) instead of printing nothing; that is an empty queue, and scontrol or sacct tell how they ended.
+    Any other failure is an error: an unanswered squeue must not pass as an empty queue."""
+    cmd = ["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%r"]
+    try:
+        return _slurm(cmd)
+    except EngineError as error:
+        if "Invalid job id specified" in str(error):
+            return ""
+        raise
+
+
 def submit(script: Path, *, after: list[str] | None = None) -> str:
     """sbatch the script; `after`: job ids it must wait for (afterany: each arm runs whatever the last did)."""
     cmd = ["sbatch", "--parsable"]
@@ -220,7 +234,7 @@ def job_states(job_ids: list[str]) -> dict[str, JobState]:
     states: dict[str, JobState] = {}
     if not job_ids:
         return states
-    for line in _slurm(["squeue", "-h", "-j", ",".join(job_ids), "-o", "%i|%T|%r"]).splitlines():
+    for line in _live_jobs(job_ids).splitlines():
         job_id, state, reason = (line.split("|") + ["", "", ""])[:3]
         states[job_id] = JobState(job_id, state, "" if reason == "None" else reason)
     for job_id in job_ids:  # scontrol also knows recently finished jobs, exit codes and restarts
