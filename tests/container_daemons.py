@@ -18,6 +18,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from runner_contracts.processes import die_with_parent
+
 from runner._engines.jobs import file_lock
 from runner.api import cache_dir
 
@@ -75,8 +77,10 @@ def _daemon(store: Path, prefix: str, what: str, command, env: dict[str, str] | 
     with _store_lock(store), tempfile.TemporaryDirectory(prefix=prefix, dir="/tmp", ignore_cleanup_errors=True) as scratch:
         socket, log = Path(scratch) / "engine.sock", Path(scratch) / "engine.log"
         with open(log, "wb") as handle:
+            # die_with_parent: a test session killed before its teardown must not leave a daemon holding the store
             process = subprocess.Popen(command(Path(scratch), socket), stdout=handle, stderr=subprocess.STDOUT,
-                                       start_new_session=True, env={**os.environ, **(env or {})})
+                                       start_new_session=True, env={**os.environ, **(env or {})},
+                                       preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         try:
             _wait_for_socket(process, socket, log, what)
             yield f"unix://{socket}"
