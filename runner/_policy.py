@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from qualification.tasks import sources
 from runner_contracts import Plan, PolicySpec, StageRequest, canonical_json, freeze_plan, sha256_file
 
 from ._engines.jobs import last_error_lines, tree_hash
@@ -37,8 +38,10 @@ def _recipe_key(recipe: dict[str, Any], manifest: StackManifest, plan: Plan) -> 
     # The bytes depend on the builder's code and the task generators, not on contracts, gates or stages.
     tasks = local_packages()["runner-qualification"] / "src" / "qualification" / "tasks"
     digest.update(tree_hash([*manifest.policy_sources, tasks]).encode())
-    for package in plan.task.packages:  # a recipe may warm-start on a task package's demonstrations
-        digest.update((package.sha256 or "").encode())
+    ours = {name for name, source in sources().items() if source.distribution == "runner-qualification"}
+    if set(recipe.get("families") or ()) - ours:  # warm-started on a task package's demonstrations
+        for package in plan.task.packages:
+            digest.update((package.sha256 or "").encode())
     return digest.hexdigest()[:16]
 
 
