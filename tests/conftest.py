@@ -123,11 +123,9 @@ HERMES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools
 def stand_in_checkpoint(folder: Path, weights: bytes = b"weights are only hashed by the host") -> Path:
     """A checkpoint folder that passes the host's checks (config, weights, tokenizer, a Hermes chat template)
     for tests whose jobs never load it (stand-in: no real model is built or downloaded here)."""
-    import json as _json
-
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "model.safetensors").write_bytes(weights)
-    (folder / "config.json").write_text(_json.dumps({"vocab_size": 10, "model_type": "qwen2"}))
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 10, "model_type": "qwen2"}))
     (folder / "tokenizer.json").write_text("{}")
-    (folder / "tokenizer_config.json").write_text(_json.dumps({"chat_template": HERMES_TEMPLATE}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": HERMES_TEMPLATE}))
     return folder

@@ -6,21 +6,21 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import stand_in_checkpoint
 
 from runner._policy import checkpoint_problems
 from runner.api import UserError, load_plan, resolve_policy
 
 PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml"
-from conftest import HERMES_TEMPLATE as HERMES
 
 
 def checkpoint(folder: Path, **override: str | None) -> Path:
-    files = {"config.json": json.dumps({"vocab_size": 640, "model_type": "qwen2"}), "model.safetensors": "weights",
-             "tokenizer.json": "{}", "tokenizer_config.json": json.dumps({"chat_template": HERMES})}
-    files.update(override)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, text in files.items():
-        if text is not None:
+    """The suite's stand-in checkpoint with some files replaced (text) or removed (None)."""
+    stand_in_checkpoint(folder)
+    for name, text in override.items():
+        if text is None:
+            (folder / name).unlink()
+        else:
             (folder / name).write_text(text)
     return folder
 
