@@ -7,37 +7,48 @@ DEMO_STACKS ?= trl,openenv
 # DEMO_ENGINE=docker or podman runs the demo in stack images (a running engine: DOCKER_HOST, RUNNER_PODMAN_HOST).
 DEMO_ENGINE ?= local
 STAMP   = $(VENV)/.installed
+TEST_STAMP = $(VENV)/.installed-test
 
-.PHONY: demo test test-fast bench schema lint clean system-deps
+.PHONY: demo test test-fast bench schema lint clean python-deps system-deps
 
-# Host environment: the runner CLI, contracts, tasks/gates, test tools (no torch, no upstream stacks).
+# Host environment: the runner CLI, contracts, tasks/gates (no torch, no upstream stacks); the suite adds
+# its test tools.
 $(STAMP): pyproject.toml contracts/pyproject.toml qualification/pyproject.toml kit/pyproject.toml
-	$(MAKE) system-deps
+	$(MAKE) python-deps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -e contracts -e qualification -e kit -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check -e contracts -e qualification -e kit -e .
 	touch $(STAMP)
 
-# Debian packages: Python 3.11 with venv (host and stacks), Chromium (the HTML report test), Docker
-# Engine, Podman (runc) and debootstrap (the container engines' tests start their own daemons), Slurm
-# and munge (the cluster tests start a one-node cluster). Only runs apt when something is missing.
-SYSTEM_PACKAGES = python3.11 python3.11-venv chromium docker.io podman runc debootstrap slurm-wlm munge
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(TEST_STAMP)
+
+# Debian packages. The demo needs Python 3.11 with venv (host and stacks) and nothing else; the suite also
+# needs Chromium (the HTML report test), Docker Engine, Podman (runc) and debootstrap (the container
+# engines' tests start their own daemons), Slurm and munge (the cluster tests start a one-node cluster).
+# Each target only runs apt when something it needs is missing.
+DEMO_PACKAGES = python3.11 python3.11-venv
+TEST_PACKAGES = $(DEMO_PACKAGES) chromium docker.io podman runc debootstrap slurm-wlm munge
+python-deps:
+	@if ! command -v $(PYTHON) >/dev/null || ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEMO_PACKAGES); fi
 system-deps:
 	@if ! command -v $(PYTHON) >/dev/null || ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null \
 	    || ! command -v chromium >/dev/null || ! command -v dockerd >/dev/null || ! command -v podman >/dev/null \
 	    || ! command -v debootstrap >/dev/null || ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES); fi
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TEST_PACKAGES); fi
 
 demo: $(STAMP)
 	$(BIN)/runner stacks list
 	$(BIN)/runner compare --stacks $(DEMO_STACKS) --plan $(PLAN) --engine $(DEMO_ENGINE)
 
-test: $(STAMP) system-deps
+test: system-deps $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -ra
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -ra -m 'not slow'
 
-bench: $(STAMP)
+bench: system-deps $(STAMP)
 	$(BIN)/python bench/bench_validate.py
 	$(BIN)/python bench/bench_overhead.py
 	$(BIN)/python bench/bench_environments.py

@@ -150,12 +150,12 @@ _REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?\s*==
 def check_pins(manifest: StackManifest) -> list[str]:
     """What drifted between the stack's files: stack.toml, requirements.in, the lock and pins.json.
     Empty when they agree."""
+    locked = manifest.locked_packages()
     record = read_pins(manifest)
     where = pin_path(manifest)
     if record is None:
         return [f"{where}: missing; run `{pin_command(manifest)}`"]
     drift = []
-    locked = manifest.locked_packages()
     expected = {"upstream": (record.upstream, manifest.upstream.name),
                 "version": (record.version, manifest.upstream.version),
                 "git_revision": (record.git_revision, manifest.upstream.git_revision),

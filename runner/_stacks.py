@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
 
 from ._errors import UserError
+from ._files import read_text, read_toml, toml_line
 from ._paths import stacks_dir
 
 
@@ -92,7 +95,7 @@ class StackManifest:
 
 def parse_lock(path: Path) -> dict[str, str]:
     pins: dict[str, str] = {}
-    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+    for number, raw in enumerate(read_text(path, "lock").splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
@@ -107,55 +110,66 @@ def normalise(name: str) -> str:
     return name.strip().lower().replace("_", "-").replace(".", "-")
 
 
-_REQUIRED = ("name", "description", "python", "lock", "adapter", "adapter_package", "stages", "upstream")
+class _UpstreamTable(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    version: str
+    git_revision: str | None = None
+
+
+class _GpuTable(msgspec.Struct, forbid_unknown_fields=True):
+    lock: str
+    requirements: str
+
+
+Stage = Literal["probe", "service", "rollout", "update", "resume", "train", "evaluate"]
+
+
+class _ManifestFile(msgspec.Struct, forbid_unknown_fields=True):
+    """stack.toml as written: the keys a manifest may have, with their types."""
+
+    name: Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9-]*$")]
+    description: str
+    python: Annotated[str, msgspec.Meta(pattern=r"^3\.\d+$")]
+    lock: str
+    adapter: Annotated[str, msgspec.Meta(pattern=r"^[\w.]+:\w+$")]
+    adapter_package: str
+    upstream: _UpstreamTable
+    stages: list[Stage]
+    capabilities: list[str] = []
+    policy_sources: list[str] = []
+    kind: Literal["trainer", "environment"] = "trainer"
+    trainer: str | None = None
+    pip_args: list[str] = []
+    deviations: list[str] = []
+    gpu: _GpuTable | None = None
 
 
 def load_manifest(path: Path) -> StackManifest:
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise UserError(f"{path}: not valid TOML: {error}") from None
-    missing = [key for key in _REQUIRED if key not in data]
-    if missing:
-        raise UserError(f"{path}: missing field(s) {', '.join(missing)}")
-    if ":" not in data["adapter"]:
-        raise UserError(f"{path}: field adapter: expected 'module:function', got {data['adapter']!r}")
-    upstream = data["upstream"]
+    data = read_toml(path, _ManifestFile, "stack manifest")
+    if data.kind == "environment" and not data.trainer:
+        raise UserError(f"{path}:{toml_line(read_text(path), 'kind')}: field trainer: an environment stack must "
+                        "name the trainer stack that drives it")
     folder = path.parent
-    manifest = StackManifest(
-        name=data["name"],
-        description=data["description"],
-        python=str(data["python"]),
-        lock=folder / data["lock"],
-        adapter=data["adapter"],
-        adapter_package=folder / data["adapter_package"],
-        upstream=Upstream(name=upstream["name"], version=upstream["version"],
-                          git_revision=upstream.get("git_revision") or None),
-        stages=tuple(data["stages"]),
-        capabilities=tuple(data.get("capabilities", ())),
-        policy_sources=tuple(folder / p for p in data.get("policy_sources", ())),
+    return StackManifest(
+        name=data.name,
+        description=data.description,
+        python=data.python,
+        lock=folder / data.lock,
+        adapter=data.adapter,
+        adapter_package=folder / data.adapter_package,
+        upstream=Upstream(name=data.upstream.name, version=data.upstream.version,
+                          git_revision=data.upstream.git_revision or None),
+        stages=tuple(data.stages),
+        capabilities=tuple(data.capabilities),
+        policy_sources=tuple(folder / p for p in data.policy_sources),
         folder=folder,
-        kind=data.get("kind", "trainer"),
-        trainer=data.get("trainer"),
-        pip_args=tuple(data.get("pip_args", ())),
-        deviations=tuple(data.get("deviations", ())),
+        kind=data.kind,
+        trainer=data.trainer,
+        pip_args=tuple(data.pip_args),
+        deviations=tuple(data.deviations),
         requirements=folder / "requirements.in",
-        gpu=_gpu_variant(path, folder, data.get("gpu")),
-    )
-    if manifest.kind not in ("trainer", "environment"):
-        raise UserError(f"{path}: field kind: expected 'trainer' or 'environment', got {manifest.kind!r}")
-    if manifest.is_environment and not manifest.trainer:
-        raise UserError(f"{path}: field trainer: an environment stack must name the trainer stack that drives it")
-    return manifest  # a missing lock is reported where it is read: `runner pin` writes the first one
-
-
-def _gpu_variant(path: Path, folder: Path, data: dict | None) -> GpuVariant | None:
-    if data is None:
-        return None
-    missing = [key for key in ("lock", "requirements") if key not in data]
-    if missing:
-        raise UserError(f"{path}: table [gpu] lacks field(s) {', '.join(missing)}; expected lock and requirements")
-    return GpuVariant(lock=folder / data["lock"], requirements=folder / data["requirements"])
+        gpu=GpuVariant(lock=folder / data.gpu.lock, requirements=folder / data.gpu.requirements) if data.gpu else None,
+    )  # a missing lock is reported where it is read: `runner pin` writes the first one
 
 
 def all_stacks() -> dict[str, StackManifest]:

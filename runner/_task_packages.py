@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 import msgspec
@@ -22,6 +21,7 @@ from runner_contracts import Plan, TaskPackage
 
 from ._engines.jobs import file_lock, tree_hash
 from ._errors import EngineError, UserError
+from ._files import read_toml
 from ._paths import task_package_dir
 
 ENTRY_POINT_GROUP = "runner.task_families"
@@ -38,10 +38,7 @@ def resolve(plan: Plan, plan_file: Path) -> Plan:
         if not pyproject.is_file():
             raise UserError(f"{where}: {path} has no pyproject.toml; a task package is a Python project whose "
                             f"pyproject.toml registers families under [project.entry-points.\"{ENTRY_POINT_GROUP}\"]")
-        try:
-            project = tomllib.loads(pyproject.read_text()).get("project", {})
-        except tomllib.TOMLDecodeError as error:
-            raise UserError(f"{pyproject}: not valid TOML: {error}") from None
+        project = read_toml(pyproject, dict).get("project", {})
         families = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
         if not project.get("name") or not families:
             raise UserError(f"{pyproject}: needs [project] name and at least one family under "

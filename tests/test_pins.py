@@ -91,7 +91,7 @@ def test_a_gpu_table_without_its_lock_is_a_clear_error(stacks):
     manifest = stacks / "lightning-verl" / "stack.toml"
     manifest.write_text(manifest.read_text().replace('lock = "requirements-gpu.lock"\n', ""))
     result = runner("pin", "--check", stacks=stacks)
-    assert result.returncode == 2 and "table [gpu] lacks field(s) lock" in result.stderr
+    assert result.returncode == 2 and "field gpu.lock: Object missing required field `lock`" in result.stderr
     assert str(manifest) in result.stderr and "Traceback" not in result.stderr
 
 

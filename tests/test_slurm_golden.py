@@ -64,7 +64,7 @@ def test_golden_report_job():
 def test_profile_errors_name_the_file_and_key(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('partition = "x"\ngpus_syntax = "gpu"\n')
-    with pytest.raises(UserError, match=r"bad.toml: unknown key\(s\) gpus_syntax"):
+    with pytest.raises(UserError, match=r"bad.toml:2: unknown key\(s\) gpus_syntax"):
         load_profile(bad)
     bad.write_text('partition = "x"\ngres = "gpu:h100"\n')
     with pytest.raises(UserError, match=r"field gres: expected a pattern with \{gpus\}"):

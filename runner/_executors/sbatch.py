@@ -21,6 +21,7 @@ from typing import Any
 from runner_contracts import Plan, write_atomic
 
 from .._errors import EngineError, UserError
+from .._files import convert, read_text, read_toml, toml_line
 from .._paths import PROJECT_ROOT
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -63,25 +64,19 @@ _PROFILE_KEYS = {f for f in ClusterProfile.__dataclass_fields__}
 def load_profile(path: Path | None) -> ClusterProfile:
     if path is None:
         return ClusterProfile()
+    text = read_text(path, "cluster profile")
     try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"--cluster {path}: no such file") from None
-    except tomllib.TOMLDecodeError as error:
-        raise UserError(f"{path}: not valid TOML: {error}") from None
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return read_toml(path, ClusterProfile)  # says where
     unknown = sorted(set(data) - _PROFILE_KEYS)
     if unknown:
-        raise UserError(f"{path}: unknown key(s) {', '.join(unknown)}; a cluster profile has "
-                        f"{', '.join(sorted(_PROFILE_KEYS))}")
-    if "{gpus}" not in data.get("gres", "{gpus}"):
-        raise UserError(f"{path}: field gres: expected a pattern with {{gpus}}, e.g. 'gpu:h100:{{gpus}}'")
-    for key in ("modules", "binds", "env_allow"):
-        if key in data:
-            data[key] = tuple(data[key])
-    try:
-        return ClusterProfile(**data)
-    except TypeError as error:
-        raise UserError(f"{path}: {error}") from None
+        raise UserError(f"{path}:{toml_line(text, unknown[0])}: unknown key(s) {', '.join(unknown)}; a cluster "
+                        f"profile has {', '.join(sorted(_PROFILE_KEYS))}")
+    if "{gpus}" not in str(data.get("gres", "{gpus}")):
+        raise UserError(f"{path}:{toml_line(text, 'gres')}: field gres: expected a pattern with {{gpus}}, "
+                        "e.g. 'gpu:h100:{gpus}'")
+    return convert(data, ClusterProfile, path, text)
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -14,7 +16,7 @@ from rich.markup import escape
 from .._console import console, err_console
 from .._errors import EngineError, UserError
 
-__all__ = ["cli_errors", "console", "err_console", "print_json"]
+__all__ = ["cli_errors", "console", "err_console", "print_json", "writable_run_dir"]
 
 
 def print_json(data: Any) -> None:
@@ -27,5 +29,19 @@ def cli_errors() -> Iterator[None]:
     try:
         yield
     except (UserError, EngineError) as error:
-        err_console.print(f"[red]error:[/] {escape(str(error))}", highlight=False, markup=True)
+        err_console.print(f"[red]error:[/] {escape(str(error))}", highlight=False, markup=True, soft_wrap=True)
         raise typer.Exit(2) from None
+
+
+def writable_run_dir(path: Path) -> Path:
+    """The run directory, absolute and created; refuses a path that is a file, cannot be made or is read-only."""
+    target = path.expanduser().resolve()
+    if target.exists() and not target.is_dir():
+        raise UserError(f"--run-dir {path}: exists and is not a directory")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"--run-dir {path}: cannot create it ({error.strerror})") from None
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise UserError(f"--run-dir {path}: not writable by this user")
+    return target

@@ -13,12 +13,11 @@ from .._compare import table_rows
 from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
-from .. import _task_packages as task_packages
 from .._plan import load_plan
 from .._policy import resolve_policy
 from .._stacks import get_stack
 from .._stages import RECIPE_STAGES
-from ._common import cli_errors, console, err_console, print_json
+from ._common import cli_errors, console, err_console, print_json, writable_run_dir
 from .qualify import logger, parse_stages, report_submitted
 
 
@@ -56,14 +55,14 @@ def compare(
         if len(names) < 2 or len(set(names)) != len(names):
             raise UserError(f"--stacks {stacks!r}: name two or more different stacks")
         manifests = [get_stack(name) for name in names]
-        plan = load_plan(plan_path)
-        task_packages.activate(plan, logger(json_output))
+        plan = load_plan(plan_path, logger(json_output))
+        target = writable_run_dir(run_dir) if run_dir else None
         runner = make_executor(executor, engine=engine, cluster=cluster, dry_run=dry_run, follow=follow_jobs,
                                quiet=json_output, log=logger(json_output))
         with err_console.status("preparing the policy"):
             frozen = resolve_policy(plan, LocalEngine(log=logger(json_output)))
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        target = (run_dir or Path("runs") / f"{stamp}-compare-{re.sub(r'[^A-Za-z0-9_.-]', '_', frozen.name)}").resolve()
+        target = target or writable_run_dir(Path("runs") / f"{stamp}-compare-{re.sub(r'[^A-Za-z0-9_.-]', '_', frozen.name)}")
         selected = {m.name: parse_stages(stages, tuple(s for s in m.stages if s in RECIPE_STAGES[frozen.recipe]),
                                          m.name) for m in manifests}
         result = runner.compare(manifests, frozen, target, selected, all_stages=not stages)

@@ -1,10 +1,11 @@
-"""`runner plan`: what a plan's evaluation can tell apart, before spending a run on it."""
+"""`runner plan`: is a plan sound, and what can its evaluation tell apart, before spending a run on it."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
+import msgspec
 import typer
 
 from qualification.stats import detectable_difference, items_needed
@@ -14,6 +15,29 @@ from .._plan import load_plan
 from ._common import cli_errors, console, print_json
 
 app = typer.Typer(help="Questions about a plan before it runs.", no_args_is_help=True)
+
+
+@app.command("check")
+def check(
+    plan_path: Path = typer.Argument(..., metavar="PLAN", help="Plan file, e.g. qualification/plans/calc-tool-cpu.yaml."),
+    json_output: bool = typer.Option(False, "--json", help="Print the plan, as validated, as JSON."),
+) -> None:
+    """Validate a plan the way qualify and compare do, before anything is built: its fields and types, every
+    name in it (task families, splits, the reward scorer and its version, the tiny policy's recipe), the
+    cross-field limits (the resume kill inside the resume run, update steps within the budget), and a
+    checkpoint given by path. Exit 0 if it holds; otherwise one line naming file, line and field, exit 2."""
+    with cli_errors():
+        plan = load_plan(plan_path)
+    if json_output:
+        print_json(msgspec.to_builtins(plan))
+        return
+    task = plan.task
+    splits = ", ".join(f"{role} {spec.family or task.family}/{spec.split} x{spec.n}"
+                       for role, spec in (("train", task.train), ("heldout", task.heldout), ("retention", task.retention)))
+    policy = plan.policy.path if plan.policy.kind == "path" else f"tiny {plan.policy.tiny or {}}"
+    console.print(f"{plan_path}: plan {plan.name} holds: {plan.recipe} on {task.family} ({splits}); policy {policy}; "
+                  f"{plan.budget.steps} steps x {plan.budget.prompts_per_step} prompts x "
+                  f"{plan.budget.generations_per_prompt} generations; seeds {plan.seeds}", highlight=False)
 
 
 @app.command("power")

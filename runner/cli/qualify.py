@@ -9,13 +9,12 @@ import typer
 from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
-from .. import _task_packages as task_packages
 from .._plan import load_plan
 from .._policy import resolve_policy
 from .._report import gate_table, load_run
 from .._stacks import get_stack
 from .._stages import RECIPE_STAGES, STAGES, default_run_dir
-from ._common import cli_errors, console, err_console, print_json
+from ._common import cli_errors, console, err_console, print_json, writable_run_dir
 
 
 def parse_stages(text: str | None, available: tuple[str, ...], stack: str) -> list[str]:
@@ -83,8 +82,10 @@ def qualify(
     """
     with cli_errors():
         manifest = get_stack(stack)
-        plan = load_plan(plan_path)
-        task_packages.activate(plan, logger(json_output))
+        plan = load_plan(plan_path, logger(json_output))
+        if resume and run_dir is not None and not run_dir.is_dir():
+            raise UserError(f"--resume: {run_dir} is not a run directory; nothing to continue")
+        target = writable_run_dir(run_dir) if run_dir else None
         selected = parse_stages(stages, tuple(s for s in manifest.stages if s in RECIPE_STAGES[plan.recipe]), stack)
         if resume and run_dir is None:
             raise UserError("--resume needs --run-dir: the run to continue")
@@ -92,7 +93,7 @@ def qualify(
                                dry_run=dry_run, follow=follow_jobs, quiet=json_output, log=logger(json_output))
         with err_console.status("preparing the policy"):
             frozen = resolve_policy(plan, LocalEngine(log=logger(json_output)))
-        target = (run_dir or default_run_dir(stack, frozen)).resolve()
+        target = target or writable_run_dir(default_run_dir(stack, frozen))
         data = runner.qualify(manifest, frozen, target, selected, all_stages=not stages, resume=resume)
         if isinstance(data, Submitted):
             report_submitted(data, json_output=json_output)

@@ -13,7 +13,6 @@ from qualification.tasks import FamilyError, TaskFamily, check_family, get_famil
 
 from pathlib import Path
 
-from .. import _task_packages as task_packages
 from .._errors import UserError
 from .._plan import load_plan
 from ._common import cli_errors, console, err_console, print_json
@@ -27,7 +26,7 @@ PLAN_OPTION = typer.Option(None, "--plan", help="Also the families of this plan'
 
 def _with_plan(plan_path: Path | None) -> None:
     if plan_path is not None:
-        task_packages.activate(load_plan(plan_path), lambda message: err_console.print(f"[dim]{message}[/]"))
+        load_plan(plan_path, lambda message: err_console.print(f"[dim]{message}[/]"))
 
 
 def _family(name: str) -> TaskFamily:

@@ -54,7 +54,25 @@ class PolicySpec(Record, kw_only=True):
     path: str | None = None
     sha256: Sha256 | None = None
     revision: str | None = None
-    tiny: dict[str, Any] | None = None  # recipe overrides for kind=tiny (seed, sft_steps, ...)
+    tiny: dict[str, Any] | None = None  # overrides of TinyRecipe's fields for kind=tiny (seed, sft_steps, ...)
+
+
+class TinyRecipe(Record, kw_only=True, frozen=True):
+    """How the tiny CPU policy is built (the trl stack builds it); a plan's policy.tiny overrides fields.
+    The plan keeps the overrides as written, so the policy's cache key and the plan id only change with them."""
+
+    seed: int = 0
+    families: tuple[str, ...] = ("calc-tool", "german-arith")
+    demos_per_family: Annotated[int, msgspec.Meta(ge=1)] = 2000
+    vocab_size: Annotated[int, msgspec.Meta(ge=64)] = 640
+    hidden_size: Annotated[int, msgspec.Meta(ge=8)] = 128
+    layers: Annotated[int, msgspec.Meta(ge=1)] = 2
+    heads: Annotated[int, msgspec.Meta(ge=1)] = 4
+    kv_heads: Annotated[int, msgspec.Meta(ge=1)] = 2
+    intermediate_size: Annotated[int, msgspec.Meta(ge=8)] = 512
+    sft_steps: Annotated[int, msgspec.Meta(ge=1)] = 700
+    sft_batch_size: Annotated[int, msgspec.Meta(ge=1)] = 32
+    sft_learning_rate: Annotated[float, msgspec.Meta(gt=0)] = 3e-3
 
 
 class RewardSpec(Record, kw_only=True):

@@ -1,0 +1,91 @@
+"""What a plan must satisfy beyond its record types, checked before anything is built: every name resolves
+(families, splits, the scorer and its version, the tiny policy's recipe), cross-field limits hold, and a
+checkpoint given by path can be served and trained. Each problem is (field path, message)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+from qualification.tasks import FamilyError, get_family
+from runner_contracts import Plan, TinyRecipe
+from runner_contracts.io import explain_error
+
+from ._policy import checkpoint_problems
+
+
+def plan_problems(plan: Plan) -> Iterator[tuple[str, str]]:
+    yield from _task_problems(plan)
+    yield from _policy_problems(plan)
+    gates, budget = plan.gates, plan.budget
+    if gates.resume_kill_after_step >= gates.resume_steps:
+        yield ("gates.resume_kill_after_step", f"{gates.resume_kill_after_step} is not inside the resume run of "
+               f"gates.resume_steps={gates.resume_steps} steps; the kill comes after a step before the last")
+    for field in ("update_steps", "resume_steps"):
+        if getattr(gates, field) > budget.steps:
+            yield (f"gates.{field}", f"{getattr(gates, field)} steps do not fit the budget of "
+                   f"budget.steps={budget.steps}")
+    if plan.task.train.n < budget.prompts_per_step:
+        yield ("task.train.n", f"{plan.task.train.n} training items cannot fill one step of "
+               f"budget.prompts_per_step={budget.prompts_per_step} prompts")
+    if not plan.seeds:
+        yield "seeds", "name at least one seed"
+    elif len(set(plan.seeds)) != len(plan.seeds):
+        yield "seeds", f"{plan.seeds} repeats a seed; repeated seeds must differ"
+
+
+def _task_problems(plan: Plan) -> Iterator[tuple[str, str]]:
+    task = plan.task
+    try:
+        family = get_family(task.family)
+    except FamilyError as error:
+        yield "task.family", str(error)
+        return
+    if (plan.reward.scorer, plan.reward.version) != (family.name, family.scorer_version):
+        field = "reward.scorer" if plan.reward.scorer != family.name else "reward.version"
+        yield (field, f"{plan.reward.scorer} v{plan.reward.version} is not the reference scorer of task family "
+               f"{family.name} ({family.name} v{family.scorer_version})")
+    for role in ("train", "heldout", "retention"):
+        spec = getattr(task, role)
+        try:
+            split_family = get_family(spec.family or task.family)
+        except FamilyError as error:
+            yield f"task.{role}.family", str(error)
+            continue
+        if spec.split not in split_family.frozen_splits:
+            yield (f"task.{role}.split", f"task family {split_family.name} has no split {spec.split!r}; it offers "
+                   f"{', '.join(sorted(split_family.frozen_splits))}")
+            continue
+        try:
+            split_family.generate(spec.split, spec.n, spec.seed)
+        except Exception as error:  # a family's own generator: whatever it raises is the plan's problem
+            yield (f"task.{role}.n", f"task family {split_family.name} cannot give {spec.n} items of split "
+                   f"{spec.split!r} with seed {spec.seed}: {error}")
+
+
+def _policy_problems(plan: Plan) -> Iterator[tuple[str, str]]:
+    spec = plan.policy
+    if spec.kind == "path":
+        if not spec.path:
+            yield "policy.path", "required when policy.kind is 'path'"
+        elif problems := checkpoint_problems(Path(spec.path)):
+            yield "policy.path", "the checkpoint cannot be used: " + "; ".join(problems)
+        if spec.tiny is not None:
+            yield "policy.tiny", "a recipe for the tiny policy, given with policy.kind 'path'"
+        return
+    for field in ("path", "sha256"):
+        if getattr(spec, field) is not None:
+            yield f"policy.{field}", "given with policy.kind 'tiny', which builds its own weights; use kind: path"
+    try:
+        recipe = msgspec.convert(spec.tiny or {}, TinyRecipe)
+    except msgspec.ValidationError as error:
+        field, message = explain_error(error)
+        yield f"policy.tiny.{field}" if field != "(record)" else "policy.tiny", message
+        return
+    for index, name in enumerate(recipe.families):
+        try:
+            get_family(name)
+        except FamilyError as error:
+            yield f"policy.tiny.families[{index}]", str(error)
