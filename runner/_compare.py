@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from qualification.stats import pairwise_arms
-from runner_contracts import EvalRecord, Evidence, Plan, RecordError, read_jsonl, write_atomic
+from runner_contracts import EvalRecord, Evidence, Plan, RecordError, read_jsonl
 
 from ._errors import UserError
 from ._html import render as render_html
 from ._report import load_run, summary
+from ._secrets import write_redacted
 from ._stages import RECIPE_STAGES, STAGES
 
 
@@ -228,8 +229,8 @@ def write_comparison(run_dir: Path, stacks: list[str]) -> dict[str, Any]:
     stages = [stage for stage in STAGES if any(stage in arm["gates"] for arm in arms)]
     result = {"plan_id": plan.plan_id, "plan": plan.name, "passed": all(a["passed"] for a in arms), "arms": arms,
               "stages": stages, "arm_tests": arm_tests(run_dir, stacks, plan.gates.confidence)}
-    write_atomic(run_dir / "comparison.json", json.dumps(result, indent=2, sort_keys=True).encode() + b"\n")
-    write_atomic(run_dir / "comparison.md", markdown(plan, arms, stages, result["arm_tests"]).encode())
-    write_atomic(run_dir / "report.html", render_html(plan, datas, comparison=(
-        [a["stack"] for a in arms], table_rows(arms)), arm_tests=result["arm_tests"]).encode())
+    write_redacted(run_dir / "comparison.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
+    write_redacted(run_dir / "comparison.md", markdown(plan, arms, stages, result["arm_tests"]))
+    write_redacted(run_dir / "report.html", render_html(plan, datas, comparison=(
+        [a["stack"] for a in arms], table_rows(arms)), arm_tests=result["arm_tests"]))
     return result

@@ -15,7 +15,7 @@ import msgspec
 from qualification.tasks import sources
 from runner_contracts import Plan, PolicySpec, StageRequest, canonical_json, freeze_plan, sha256_file
 
-from ._engines.jobs import last_error_lines, tree_hash
+from ._engines.jobs import file_lock, last_error_lines, tree_hash
 from ._engines.local import LocalEngine
 from ._errors import EngineError, UserError
 from ._paths import cache_dir, local_packages
@@ -53,6 +53,15 @@ def build_tiny(engine: LocalEngine, recipe: dict[str, Any], plan: Plan, *, rebui
     final = cache_dir() / "policies" / f"tiny-{key}"
     if (final / WEIGHTS).is_file() and not rebuild:
         return _readable(final)
+    with file_lock(final.with_name(final.name + ".lock")):  # a second runner waits for this build, then uses it
+        if (final / WEIGHTS).is_file() and not rebuild:
+            return _readable(final)
+        return _build_tiny(engine, manifest, recipe, plan, key, final)
+
+
+def _build_tiny(engine: LocalEngine, manifest: StackManifest, recipe: dict[str, Any], plan: Plan, key: str,
+                final: Path) -> Path:
+    """Builds into a scratch folder and renames it into place: `final` exists only complete."""
     env = engine.prepare(manifest)
     final.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".tiny-{key}-", dir=final.parent))

@@ -10,10 +10,11 @@ import msgspec
 from rich.markup import escape
 from rich.table import Table
 
-from runner_contracts import Evidence, Plan, read_record, write_atomic
+from runner_contracts import Evidence, Plan, read_record
 
 from ._errors import UserError
 from ._html import render as render_html
+from ._secrets import write_redacted
 from ._stages import STAGES
 
 STATUS_STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "dim"}
@@ -177,7 +178,7 @@ def write_report(run_dir: Path) -> dict[str, Any]:
     """report.md, report.html (self-contained) and summary.json from the run's plan and evidence."""
     plan, evidence = load_run(run_dir)
     data = summary(plan, evidence)
-    write_atomic(run_dir / "report.md", markdown(plan, evidence, data).encode())
-    write_atomic(run_dir / "report.html", render_html(plan, [(data["stack"] or "arm", evidence, data)]).encode())
-    write_atomic(run_dir / "summary.json", json.dumps(data, indent=2, sort_keys=True).encode() + b"\n")
+    write_redacted(run_dir / "report.md", markdown(plan, evidence, data))
+    write_redacted(run_dir / "report.html", render_html(plan, [(data["stack"] or "arm", evidence, data)]))
+    write_redacted(run_dir / "summary.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
     return data

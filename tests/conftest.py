@@ -69,13 +69,20 @@ COMPARED_ARMS = ["trl", "nemo-gym", "openenv", "verifiers", "lightning-verl", "s
 CALC_PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml"
 
 
+# Planted in the comparison's environment; no file the run writes may contain one (test_e2e_compare).
+PLANTED_SECRETS = {"HF_TOKEN": "hf_plantedTokenValue0001", "WANDB_API_KEY": "planted-wandb-key-0002",
+                   "LAB_SERVICE_KEY": "planted-service-key-0003", "GH_TOKEN": "planted-gh-token-0004",
+                   "LAB_DB_SECRET": "planted-db-secret-0005",
+                   "LAB_INDEX_URL": "https://lab:planted-url-password-0006@pypi.invalid/simple"}
+
+
 @pytest.fixture(scope="session")
 def local_comparison(tmp_path_factory):
     """`runner compare` of every stack on the calc-tool CPU plan with the local executor and engine."""
     run_dir = tmp_path_factory.mktemp("compare")
     result = subprocess.run([str(Path(sys.executable).parent / "runner"), "compare", "--stacks",
                              ",".join(COMPARED_ARMS), "--plan", str(CALC_PLAN), "--run-dir", str(run_dir), "--json"],
-                            capture_output=True, text=True, timeout=5400)
+                            capture_output=True, text=True, timeout=5400, env={**os.environ, **PLANTED_SECRETS})
     assert result.returncode in (0, 1), result.stderr[-3000:]
     return run_dir, json.loads(result.stdout), result
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 from conftest import COMPARED_ARMS as ARMS
-from conftest import leftover_processes, wait_until
+from conftest import PLANTED_SECRETS, leftover_processes, wait_until
 from runner_contracts import Evidence, read_record
 
 GATEWAY_CAPTURE = "stack capture (gateway), audited against the policy server"
@@ -95,3 +95,16 @@ def test_no_process_outlives_the_comparison(comparison):
     run_dir, _, _ = comparison
     wait_until(lambda: not leftover_processes(run_dir), f"no process left in {run_dir}: "
                f"{leftover_processes(run_dir)}", 10)
+
+
+def test_no_planted_secret_reaches_a_file_the_run_wrote(comparison):
+    """Every file of the comparison (evidence, reports, requests, logs, trajectories, checkpoints) is read."""
+    run_dir, _, _ = comparison
+    planted = [value.encode() for value in PLANTED_SECRETS.values()] + [b"planted-url-password"]
+    files = [path for path in run_dir.rglob("*") if path.is_file()]
+    assert len(files) > 100
+    leaks = []
+    for path in files:
+        data = path.read_bytes()
+        leaks += [f"{path}: {secret.decode()}" for secret in planted if secret in data]
+    assert not leaks, leaks

@@ -184,3 +184,46 @@ def test_adapter_dies_with_the_runner(stack, engine, tmp_path):
     host.kill()
     host.wait()
     wait_until(lambda: gone(child), "the adapter to end with the runner", 10)
+
+
+def _prepare_in_a_process(stack, cache: Path, **popen):
+    """Another runner process preparing the echo stack's environment in `cache`; it prints the engine's log."""
+    import subprocess
+    import sys
+
+    script = (f"from runner._engines.local import LocalEngine; from runner._stacks import load_manifest; "
+              f"from pathlib import Path; "
+              f"e = LocalEngine(cache_root=Path({str(cache)!r}), log=lambda m: print(m, flush=True)); "
+              f"print('ready', e.prepare(load_manifest(Path({str(stack.folder / 'stack.toml')!r}))).path)")
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, **popen)
+
+
+def test_two_runners_preparing_one_environment_build_it_once(stack, tmp_path):
+    cache = tmp_path / "cache"
+    first, second = _prepare_in_a_process(stack, cache), _prepare_in_a_process(stack, cache)
+    outputs = [process.communicate(timeout=600)[0] for process in (first, second)]
+    assert [process.returncode for process in (first, second)] == [0, 0], outputs
+    assert sum(output.count("building echo environment") for output in outputs) == 1, outputs
+    paths = {line.split(" ", 1)[1] for output in outputs for line in output.splitlines() if line.startswith("ready")}
+    assert len(paths) == 1 and (Path(paths.pop()) / ENV_MARKER).is_file()
+
+
+def test_a_build_killed_half_way_is_rebuilt_not_used(stack, tmp_path):
+    import time
+
+    cache = tmp_path / "cache"
+    killed = _prepare_in_a_process(stack, cache)
+    python = None
+    deadline = time.monotonic() + 120
+    while python is None and time.monotonic() < deadline:  # the virtualenv exists; the lock is installing
+        python = next(iter(cache.glob("envs/echo-*/bin/python")), None) if cache.exists() else None
+        time.sleep(0.05)
+    assert python is not None, "the build never started"
+    killed.kill()
+    killed.wait()
+    env_dir = python.parent.parent
+    assert not (env_dir / ENV_MARKER).exists(), "the build finished before it could be killed"
+    again = _prepare_in_a_process(stack, cache)
+    output = again.communicate(timeout=600)[0]
+    assert again.returncode == 0 and "building echo environment" in output, output
+    assert (env_dir / ENV_MARKER).is_file()

@@ -5,6 +5,7 @@ UPDATE_GOLDEN=1."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import msgspec
@@ -133,3 +134,28 @@ def test_status_tells_a_requeued_attempt_from_the_one_before(tmp_path):
     own = _first_error(_interrupted_update("2026-12-01T07:55:00+00:00"), attempts, last, _row("CANCELLED", 1))
     assert own == "update: interrupted: stopped"
     assert _first_error(_interrupted_update("2026-12-01T07:53:48+00:00"), attempts, last, _row("COMPLETED", 1, "0:0")) is None
+
+
+def test_secrets_are_passed_by_name_never_written_into_a_script(tmp_path):
+    """A token and an index URL with credentials named in env_allow reach the job through sbatch --export
+    from the submitting shell; the script names them and holds neither value."""
+    profile = dataclasses.replace(load_profile(None), env_allow=("HF_TOKEN", "PIP_INDEX_URL", "LANG"))
+    environ = {"HF_TOKEN": "hf_secretvalue123", "PIP_INDEX_URL": "https://lab:hunter2@pypi.lab.example/simple",
+               "LANG": "C.UTF-8"}
+    script = render_report(Path("/shared/runs/c1"), ["trl", "openenv"], plan(gpus=0), profile, environ=environ)
+    assert "hf_secretvalue123" not in script and "hunter2" not in script
+    assert "export LANG=C.UTF-8" in script
+    assert "sbatch --export=HF_TOKEN,PIP_INDEX_URL)" in script
+    leaky = dataclasses.replace(profile, env={"LAB_API_KEY": "k-123"})
+    with pytest.raises(UserError, match="env LAB_API_KEY holds a secret"):
+        render_report(Path("/shared/runs/c1"), ["trl"], plan(gpus=0), leaky, environ=environ)
+
+
+def test_secrets_in_job_logs_are_redacted(tmp_path, monkeypatch):
+    from runner._secrets import redact_file
+
+    monkeypatch.setenv("LAB_SERVICE_TOKEN", "tok-0123456789")
+    log = tmp_path / "stderr.log"
+    log.write_text("auth with tok-0123456789\nfetching https://lab:hunter2@pypi.lab.example/simple/torch\n")
+    redact_file(log)
+    assert log.read_text() == ("auth with [redacted]\nfetching https://[redacted]@pypi.lab.example/simple/torch\n")

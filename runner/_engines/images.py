@@ -28,7 +28,7 @@ from typing import Any
 
 from runner_contracts import sha256_file, write_atomic
 
-from .jobs import tree_hash
+from .jobs import file_lock, tree_hash
 from .._errors import EngineError, UserError
 from .._paths import PROJECT_ROOT, cache_dir, local_packages
 from .._stacks import StackManifest, normalise
@@ -132,6 +132,11 @@ def base_for(manifest: StackManifest, flavour: str) -> BaseDefinition:
 def ensure_base(client: Any, base: BaseDefinition, log: Callable[[str], None]) -> str:
     """The base image's tag, made if missing: debootstrap + import for cpu, a build on the pinned CUDA
     image for gpu (which needs a registry)."""
+    with _build_lock(base.tag):
+        return _ensure_base(client, base, log)
+
+
+def _ensure_base(client: Any, base: BaseDefinition, log: Callable[[str], None]) -> str:
     if _image_exists(client, base.tag):
         return base.tag
     if base.flavour == "gpu":
@@ -299,11 +304,17 @@ def build_stack_image(client: Any, manifest: StackManifest, *, flavour: str = "c
     base_tag = ensure_base(client, base, log)
     inputs = context_inputs(manifest, base_tag, extra_ca_certificates(certs), flavour)
     tag = image_tag(manifest, inputs)
-    if not _image_exists(client, tag):
-        log(f"building {tag} (base {base_tag})")
-        with build_context(manifest, inputs) as context:
-            _build(client, context, tag, inputs["buildargs"], log)
+    with _build_lock(tag):  # a second runner building the same image waits, then finds it
+        if not _image_exists(client, tag):
+            log(f"building {tag} (base {base_tag})")
+            with build_context(manifest, inputs) as context:
+                _build(client, context, tag, inputs["buildargs"], log)
     return stack_image(client, tag)
+
+
+def _build_lock(tag: str) -> contextlib.AbstractContextManager[None]:
+    """One build of an image (or base) at a time on this host; engines publish a tag only when it is complete."""
+    return file_lock(cache_dir() / "images" / "locks" / (re.sub(r"[^A-Za-z0-9_.-]", "_", tag) + ".lock"))
 
 
 @contextlib.contextmanager

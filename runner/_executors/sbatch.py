@@ -22,6 +22,7 @@ from runner_contracts import Plan, write_atomic
 
 from .._errors import EngineError, UserError
 from .._files import convert, read_text, read_toml, toml_line
+from .._secrets import is_secret
 from .._paths import PROJECT_ROOT
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -116,8 +117,17 @@ def _resource_lines(profile: ClusterProfile, plan: Plan) -> list[str]:
     return lines
 
 
+FROM_SHELL = "# runner: from the submitting shell, never written here (sbatch --export="
+
+
 def _common(profile: ClusterProfile, plan: Plan, engine: str, environ: dict[str, str]) -> dict[str, str]:
+    written = [key for key, value in profile.env.items() if is_secret(key, value)]
+    if written:
+        raise UserError(f"cluster profile {profile.name}: env {', '.join(written)} holds a secret; set it in the "
+                        "submitting shell and name it in env_allow, so it is never written into a script")
     exports = {key: environ[key] for key in profile.env_allow if key in environ}
+    from_shell = sorted(key for key, value in exports.items() if is_secret(key, value))
+    exports = {key: value for key, value in exports.items() if key not in from_shell}
     exports.update(profile.env)
     if engine == "apptainer":
         exports["RUNNER_APPTAINER"] = profile.apptainer
@@ -128,7 +138,8 @@ def _common(profile: ClusterProfile, plan: Plan, engine: str, environ: dict[str,
     return {
         "plan_name": plan.name, "plan_id_short": (plan.plan_id or "")[:12], "engine": engine,
         "module_lines": "\n".join(f"module load {shlex.quote(m)}" for m in profile.modules) or "# (no modules)",
-        "export_lines": "\n".join(f"export {key}={shlex.quote(value)}" for key, value in sorted(exports.items())),
+        "export_lines": "\n".join([f"export {key}={shlex.quote(value)}" for key, value in sorted(exports.items())]
+                                  + ([f"{FROM_SHELL}{','.join(from_shell)})"] if from_shell else [])),
         "workdir": shlex.quote(profile.workdir or str(PROJECT_ROOT)),
     }
 
@@ -204,6 +215,9 @@ def _live_jobs(job_ids: list[str]) -> str:
 def submit(script: Path, *, after: list[str] | None = None) -> str:
     """sbatch the script; `after`: job ids it must wait for (afterany: each arm runs whatever the last did)."""
     cmd = ["sbatch", "--parsable"]
+    line = next((line for line in script.read_text().splitlines() if line.startswith(FROM_SHELL)), None)
+    if line:  # secrets: sbatch copies these from this environment, overriding the script's --export=NONE
+        cmd.append("--export=" + line.removeprefix(FROM_SHELL).rstrip(")"))
     if after:
         cmd.append("--dependency=afterany:" + ":".join(after))
     return _slurm([*cmd, str(script)]).strip().split(";")[0]

@@ -28,6 +28,7 @@ from runner_contracts import (
 from .._engines import Engine, Service
 from .._engines.jobs import RunOutcome, StackEnvironment, last_error_lines
 from .._errors import UserError
+from .._secrets import redact_file
 from .._stacks import StackManifest, get_stack
 
 TRAINING_JOBS = ("update", "train")  # adapter jobs that train (the resume stage runs "train" jobs)
@@ -155,6 +156,8 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
                            resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
     peer = arm.service if arm.service_env is not None and not in_stack_env else None
     outcome = arm.engine.run(env, request, timeout_s=arm.plan.budget.wall_clock_s, kill_when=kill_when, peer=peer)
+    for log in (outcome.stdout, outcome.stderr):
+        redact_file(log)
     if not outcome.ok and not in_stack_env:
         # A trainer that died mid-batch leaves the rollout service working for a dead policy server
         # (some upstreams retry a refused connection forever): the next job gets a fresh service.

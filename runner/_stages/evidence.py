@@ -16,10 +16,10 @@ from runner_contracts import (
     RecordError,
     read_record,
     sha256_file,
-    write_record,
 )
 
 from .._provenance import provenance
+from .._secrets import write_record_redacted
 from .arm import Arm, StageOutput, now
 
 
@@ -56,7 +56,7 @@ def write_stage_evidence(arm: Arm, stage: str, output: StageOutput, started: str
         started_at=started, finished_at=now(), environment=arm.environment, metrics=output.metrics,
         artifacts=artifacts(arm, folder), checkpoints=output.checkpoints, gates=output.gates, error=output.error,
         provenance=_provenance(arm))
-    write_record(folder / "evidence.json", evidence)
+    write_record_redacted(folder / "evidence.json", evidence)
     return evidence
 
 
@@ -65,14 +65,14 @@ def write_skipped(arm: Arm, stage: str) -> Evidence:
                         status="skipped", started_at=now(), finished_at=now(),
                         error=ErrorInfo(kind="skipped", message="an earlier stage did not pass"),
                         provenance=_provenance(arm))
-    write_record(arm.stage_dir(stage) / "evidence.json", evidence)
+    write_record_redacted(arm.stage_dir(stage) / "evidence.json", evidence)
     return evidence
 
 
 def mark_interrupted(arm: Arm, stage: str, folder: Path, message: str, *, started: str | None = None,
                      environment: EnvironmentInfo | None = None) -> None:
     """Evidence for a stage the run stopped in: status error, kind interrupted, the files it left."""
-    write_record(folder / "evidence.json", Evidence(
+    write_record_redacted(folder / "evidence.json", Evidence(
         run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status="error",
         started_at=started or now(), finished_at=now(), environment=environment, artifacts=artifacts(arm, folder),
         error=ErrorInfo(kind="interrupted", message=message), provenance=_provenance(arm)))
