@@ -35,11 +35,13 @@ class LocalExecutor:
         return {**self.run_arm(manifest, plan, run_dir, stages, resume=resume), "run_dir": str(run_dir)}
 
     def compare(self, manifests: list[StackManifest], plan: Plan, compare_dir: Path,
-                stages: dict[str, list[str]], *, all_stages: bool) -> dict[str, Any]:
+                stages: dict[str, list[str]], *, all_stages: bool, resume: bool) -> dict[str, Any]:
+        """Runs the arms one after another; with `resume`, each keeps the stages that passed in an earlier,
+        interrupted comparison in `compare_dir` and sets aside the stage it was interrupted in."""
         for manifest in manifests:
             check_run_dir(compare_dir / "arms" / manifest.name, plan)
         for manifest in manifests:
-            self.run_arm(manifest, plan, compare_dir / "arms" / manifest.name, stages[manifest.name])
+            self.run_arm(manifest, plan, compare_dir / "arms" / manifest.name, stages[manifest.name], resume=resume)
         return write_comparison(compare_dir, [manifest.name for manifest in manifests])
 
     def run_arm(self, manifest: StackManifest, plan: Plan, target: Path, selected: list[str], *,

@@ -66,7 +66,8 @@ class SlurmExecutor:
         return {**write_report(run_dir), "run_dir": str(run_dir)}
 
     def compare(self, manifests: list[StackManifest], plan: Plan, compare_dir: Path,
-                stages: dict[str, list[str]], *, all_stages: bool) -> dict[str, Any] | Submitted:
+                stages: dict[str, list[str]], *, all_stages: bool, resume: bool) -> dict[str, Any] | Submitted:
+        # Every arm's job runs `qualify --resume`: submitted again into the same directory, it continues.
         names = [manifest.name for manifest in manifests]
         for name in names:
             check_run_dir(compare_dir / "arms" / name, plan)

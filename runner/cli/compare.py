@@ -32,6 +32,9 @@ def compare(
                                                       "Default: every stage."),
     run_dir: Path = typer.Option(None, "--run-dir", help="Comparison directory (default: runs/<time>-compare-<plan>); "
                                                          "arms go to <run-dir>/arms/<stack>."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the comparison in --run-dir (one that was "
+                                                        "killed or stopped): every arm keeps the stages that passed, "
+                                                        "sets aside the interrupted one and runs it again."),
     executor: str = typer.Option("local", "--executor", help="Who runs the arms: local (this host, one after "
                                                              "another) or slurm (one job per arm, chained)."),
     cluster: Path = typer.Option(None, "--cluster", help="Cluster profile (TOML) for --executor slurm."),
@@ -55,6 +58,9 @@ def compare(
         if len(names) < 2 or len(set(names)) != len(names):
             raise UserError(f"--stacks {stacks!r}: name two or more different stacks")
         manifests = [get_stack(name) for name in names]
+        if resume and (run_dir is None or not run_dir.is_dir()):
+            raise UserError("--resume needs --run-dir: the comparison to continue" if run_dir is None else
+                            f"--resume: {run_dir} is not a comparison's run directory; nothing to continue")
         plan = load_plan(plan_path, logger(json_output))
         target = writable_run_dir(run_dir) if run_dir else None
         runner = make_executor(executor, engine=engine, cluster=cluster, dry_run=dry_run, follow=follow_jobs,
@@ -65,7 +71,7 @@ def compare(
         target = target or writable_run_dir(Path("runs") / f"{stamp}-compare-{re.sub(r'[^A-Za-z0-9_.-]', '_', frozen.name)}")
         selected = {m.name: parse_stages(stages, tuple(s for s in m.stages if s in RECIPE_STAGES[frozen.recipe]),
                                          m.name) for m in manifests}
-        result = runner.compare(manifests, frozen, target, selected, all_stages=not stages)
+        result = runner.compare(manifests, frozen, target, selected, all_stages=not stages, resume=resume)
         if isinstance(result, Submitted):
             report_submitted(result, json_output=json_output)
             raise typer.Exit(0)
