@@ -59,16 +59,16 @@ def probe(request: StageRequest) -> StageResult:
 
 
 def build_policy(request: StageRequest) -> StageResult:
-    from .policy import TinyRecipe, build_tiny_policy
+    import msgspec
 
-    fields = {f for f in TinyRecipe.__dataclass_fields__}
-    overrides = {k: (tuple(v) if isinstance(v, list) else v) for k, v in request.options.get("recipe", {}).items()}
-    unknown = set(overrides) - fields
-    if unknown:
-        raise ValueError(f"unknown tiny-policy recipe fields: {', '.join(sorted(unknown))}")
+    from runner_contracts import TinyRecipe
+
+    from .policy import build_tiny_policy
+
+    recipe = msgspec.convert(request.options.get("recipe", {}), TinyRecipe)  # the host checked the plan's already
     out = Path(request.out_dir) / "policy"
     out.mkdir(parents=True, exist_ok=True)
-    record = build_tiny_policy(out, TinyRecipe(**overrides))
+    record = build_tiny_policy(out, recipe)
     return StageResult(stage="build-policy", metrics=record, files={"policy": "policy"})
 
 

@@ -7,11 +7,13 @@ Same recipe and seed give byte-identical files (torch deterministic algorithms, 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from qualification.tasks import get_family
+from runner_contracts import TinyRecipe
 
 from .environment import environment_class, tool_methods
 
@@ -20,22 +22,6 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-
-
-@dataclass(frozen=True)
-class TinyRecipe:
-    seed: int = 0
-    families: tuple[str, ...] = ("calc-tool", "german-arith")
-    demos_per_family: int = 2000
-    vocab_size: int = 640
-    hidden_size: int = 128
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    intermediate_size: int = 512
-    sft_steps: int = 700
-    sft_batch_size: int = 32
-    sft_learning_rate: float = 3e-3
 
 
 def trainer_device_args(gpus: int = 0) -> dict[str, Any]:
@@ -241,7 +227,7 @@ def build_tiny_policy(out_dir: Path, recipe: TinyRecipe) -> dict[str, Any]:
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     _check_reload(out_dir, tokenizer, rows[0]["input_ids"])
-    record = {"recipe": asdict(recipe), "sft": stats, "vocab_size": len(tokenizer),
+    record = {"recipe": msgspec.structs.asdict(recipe), "sft": stats, "vocab_size": len(tokenizer),
               "parameters": sum(p.numel() for p in model.parameters())}
     (out_dir / "recipe.json").write_text(json.dumps(record, indent=2, sort_keys=True))
     import shutil
