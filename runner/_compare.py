@@ -12,7 +12,8 @@ from runner_contracts import EvalRecord, Evidence, Plan, RecordError, read_jsonl
 
 from ._errors import UserError
 from ._html import render as render_html
-from ._report import load_run, summary
+from ._html import sampled_text
+from ._report import load_run, load_trials, summary
 from ._secrets import write_redacted
 from ._stages import RECIPE_STAGES, STAGES
 
@@ -79,6 +80,7 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
                        "rollout_stage_rollouts_per_s": rollout.get("rollouts_per_s")},
         "final_weights_sha256": _final_weights(evidence),
         "evaluation": data.get("evaluation") or {},
+        "seeds": data.get("seeds") or [],
         "release": data.get("release"),
     }
 
@@ -135,6 +137,12 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         ("held-out (greedy)", [split(a, "heldout") for a in arms]),
         ("retention (greedy)", [split(a, "retention") for a in arms]),
     ]
+    if any((a["evaluation"].get("heldout") or {}).get("sampled") for a in arms):
+        rows.append(("held-out (sampled)", [sampled_text(a["evaluation"].get("heldout") or {}) for a in arms]))
+    if any(len(a.get("seeds") or []) > 1 for a in arms):
+        rows.append(("seeds (trained held-out per seed)", [", ".join(
+            f"{row['seed']}: {row['evaluation']['heldout']['trained']}" if "heldout" in row["evaluation"]
+            else f"{row['seed']}: –" for row in a.get("seeds") or []) or "–" for a in arms]))
     if any(a.get("release") for a in arms):
         rows.append(("release", [(a["release"]["verdict"] + "".join(f"; {c}" for c in a["release"]["failed"]))
                                  if a.get("release") else "–" for a in arms]))
@@ -224,7 +232,8 @@ def write_comparison(run_dir: Path, stacks: list[str]) -> dict[str, Any]:
     if len(set(plan_ids.values())) != 1 or any(ids - {next(iter(plan_ids.values()))} for ids in evidence_ids.values()):
         raise UserError(f"arms ran different plans and are never compared: {plan_ids}")
     plan = loaded[0][1]
-    datas = [(stack, evidence, summary(plan, evidence)) for stack, _, evidence in loaded]
+    datas = [(stack, evidence, summary(plan, evidence, load_trials(run_dir / "arms" / stack, plan)))
+             for stack, _, evidence in loaded]
     arms = [arm_figures(stack, evidence, data) for stack, evidence, data in datas]
     stages = [stage for stage in STAGES if any(stage in arm["gates"] for arm in arms)]
     result = {"plan_id": plan.plan_id, "plan": plan.name, "passed": all(a["passed"] for a in arms), "arms": arms,

@@ -98,6 +98,17 @@ def gate_details(arm: str, evidence: list[Evidence]) -> str:
             f"<th>detail</th></tr>{''.join(rows)}</table>")
 
 
+def sampled_text(row: dict[str, Any]) -> str:
+    """A split's sampled figures in one cell: pass@1 and pass^k, base -> trained."""
+    sampled = row.get("sampled")
+    if not sampled:
+        return "–"
+    k = str(sampled["attempts"])
+    base, trained = (sampled.get(policy) or {} for policy in ("base", "trained"))
+    return (f"{base.get('pass@1', 0):.2f} → {trained.get('pass@1', 0):.2f}; pass^{k} "
+            f"{base.get('pass^k', {}).get(k, 0):.2f} → {trained.get('pass^k', {}).get(k, 0):.2f}")
+
+
 def _detectable(row: dict[str, Any]) -> str:
     value = row.get("detectable_difference")
     return f"&ge; {value:.0%}" if value is not None else "–"
@@ -206,11 +217,22 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
                             f"<td>{_e(row['trained'])}</td><td class='num'>{row['difference']:+.3f} "
                             f"({low:+.3f}..{high:+.3f})</td><td>{_e(row['test'])}</td>"
                             f"<td class='num'>{row['p_value']:.3g}</td><td><b>{_e(row['verdict'])}</b></td>"
-                            f"<td class='num'>{_detectable(row)}</td></tr>")
+                            f"<td class='num'>{_detectable(row)}</td><td>{_e(sampled_text(row))}</td></tr>")
+    seed_rows = "".join(
+        f"<tr><td>{_e(arm)}</td><td class='num'>{row['seed']}</td>"
+        + "".join(f"<td>{_e(row['stages'].get(stage, '–'))}</td>" for stage in ("train", "evaluate"))
+        + "".join(f"<td>{_e(row['evaluation'][split]['trained']) if split in row['evaluation'] else '–'}</td>"
+                  for split in ("heldout", "retention")) + "</tr>"
+        for arm, _, data in arms if len(data.get("seeds") or []) > 1 for row in data["seeds"])
+    if seed_rows:
+        sections.append("<h2>Seeds</h2><table><tr><th>arm</th><th>seed</th><th>train</th><th>evaluate</th>"
+                        f"<th>held-out trained</th><th>retention trained</th></tr>{seed_rows}</table>"
+                        '<p class="note">One trial (train, evaluate) per plan seed; the figures above pool them.</p>')
     if bars:
         sections.append("<h2>Held-out and retention success (95% Wilson intervals)</h2>" + ci_bars(bars) +
                         "<table><tr><th>arm</th><th>split</th><th>base</th><th>trained</th><th>difference (CI)</th>"
-                        f"<th>test</th><th>p</th><th>verdict</th><th>detectable at 80% power</th></tr>"
+                        f"<th>test</th><th>p</th><th>verdict</th><th>detectable at 80% power</th>"
+                        f"<th>sampled: pass@1, pass^k (base → trained)</th></tr>"
                         f"{''.join(verdicts)}</table>"
                         '<p class="note">Small evaluation sets rarely separate base and trained: "inconclusive" '
                         "means the data cannot tell them apart at this confidence, not that nothing changed; the last "

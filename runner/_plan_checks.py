@@ -30,6 +30,8 @@ def plan_problems(plan: Plan) -> Iterator[tuple[str, str]]:
     if plan.task.train.n < budget.prompts_per_step:
         yield ("task.train.n", f"{plan.task.train.n} training items cannot fill one step of "
                f"budget.prompts_per_step={budget.prompts_per_step} prompts")
+    if plan.release and plan.release.min_pass_hat_k is not None and plan.evaluation is None:
+        yield "release.min_pass_hat_k", "needs sampled attempts: add evaluation: {attempts: K} to the plan"
     if not plan.seeds:
         yield "seeds", "name at least one seed"
     elif len(set(plan.seeds)) != len(plan.seeds):

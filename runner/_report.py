@@ -10,14 +10,27 @@ import msgspec
 from rich.markup import escape
 from rich.table import Table
 
+from qualification.gates import pooled_evaluation
 from runner_contracts import Evidence, Plan, read_record
 
 from ._errors import UserError
 from ._html import render as render_html
 from ._secrets import write_redacted
-from ._stages import STAGES
+from ._stages import STAGES, TRIAL_STAGES, trial_dir
 
 STATUS_STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "dim"}
+
+
+def load_trials(run_dir: Path, plan: Plan) -> dict[int, list[Evidence]]:
+    """The evidence of each further plan seed's trial (its train and evaluate stages), by seed."""
+    trials = {}
+    for seed in plan.seeds[1:]:
+        folder = trial_dir(run_dir, seed) / "stages"
+        found = [read_record(folder / stage / "evidence.json", Evidence)
+                 for stage in TRIAL_STAGES if (folder / stage / "evidence.json").is_file()]
+        if found:
+            trials[seed] = found
+    return trials
 
 
 def load_run(run_dir: Path) -> tuple[Plan, list[Evidence]]:
@@ -95,10 +108,17 @@ def release_verdict(plan: Plan, data: dict[str, Any], evidence: list[Evidence]) 
             failed.append("retention: not evaluated")
         elif spec.retention == "zero-drop" and retention["trained_k"] < retention["base_k"]:
             failed.append(f"retention zero-drop: {retention['base_k']} -> {retention['trained_k']} of {retention['n']}")
-        elif spec.retention == "non-inferior" and not any(
+        elif spec.retention == "non-inferior" and not all(
                 g.passed for e in evidence for g in e.gates if g.name == "evaluate:retention"):
             failed.append(f"retention non-inferior within {plan.gates.retention_margin:g}: "
                           f"{retention['base']} -> {retention['trained']}")
+    if spec.min_pass_hat_k is not None:
+        sampled = (heldout or {}).get("sampled") or {}
+        k = sampled.get("attempts")
+        value = (sampled.get("trained") or {}).get("pass^k", {}).get(str(k))
+        if value is None or value < spec.min_pass_hat_k:
+            failed.append(f"trained held-out pass^{k or 'k'} >= {spec.min_pass_hat_k:g}: "
+                          + (f"{value:.3f}" if value is not None else "no sampled evaluation"))
     if spec.max_token_mult_prob_error is not None:
         mismatch = data.get("mismatch")
         median = mismatch["median_token_mult_prob_error"] if mismatch else None
@@ -108,27 +128,51 @@ def release_verdict(plan: Plan, data: dict[str, Any], evidence: list[Evidence]) 
     return {"verdict": "hold" if failed else "release", "failed": failed}
 
 
-def summary(plan: Plan, evidence: list[Evidence]) -> dict[str, Any]:
+def _seed_rows(plan: Plan, evidence: list[Evidence], trials: dict[int, list[Evidence]]) -> list[dict[str, Any]]:
+    """One row per plan seed whose trial the arm runs: its train and evaluate statuses and evaluation."""
+    if not any(e.stage in TRIAL_STAGES for e in evidence):
+        return []
+    rows = []
+    for seed in plan.seeds:
+        records = [e for e in evidence if e.stage in TRIAL_STAGES] if seed == plan.seeds[0] else trials.get(seed, [])
+        evaluate = next((e for e in records if e.stage == "evaluate"), None)
+        rows.append({"seed": seed, "stages": {e.stage: e.status for e in records},
+                     "evaluation": {k: v for k, v in (evaluate.metrics.items() if evaluate else []) if isinstance(v, dict)}})
+    return rows
+
+
+def summary(plan: Plan, evidence: list[Evidence], trials: dict[int, list[Evidence]] | None = None) -> dict[str, Any]:
+    """An arm's figures from its evidence; with several plan seeds, `trials` holds the further seeds' train
+    and evaluate evidence: the arm passes only if every trial does, and the evaluation is pooled."""
+    trials = trials or {}
     by_stage = {e.stage: e for e in evidence}
     evaluate = by_stage.get("evaluate")
     train = by_stage.get("train")
     update = by_stage.get("update")
+    seeds = _seed_rows(plan, evidence, trials)
+    labelled = [(e, "") for e in evidence] + [(e, f"@seed-{seed}") for seed in sorted(trials) for e in trials[seed]]
+    every = [e for e, _ in labelled]
+    trials_complete = all(row["stages"] and all(s in row["stages"] for s in seeds[0]["stages"]) for row in seeds)
     data = {
         "plan_id": plan.plan_id,
         "plan": plan.name,
         "stack": evidence[0].stack if evidence else None,
-        "passed": bool(evidence) and all(e.status == "passed" for e in evidence),
+        "passed": bool(evidence) and all(e.status == "passed" for e in every) and trials_complete,
         "stages": {e.stage: e.status for e in evidence},
-        "failed_gates": [f"{e.stage}:{g.name}" for e in evidence for g in e.gates if not g.passed],
+        "failed_gates": [f"{e.stage}:{g.name}{seed}" for e, seed in labelled for g in e.gates if not g.passed],
         "errors": {e.stage: msgspec.to_builtins(e.error) for e in evidence if e.error and e.status == "error"},
         "time_to_first_reproducible_update_s": update.metrics.get("time_to_first_reproducible_update_s") if update else None,
         "reward_per_step": train.metrics.get("reward_per_step") if train else None,
         "max_logprob_gap": max((e.metrics.get("max_logprob_gap", 0.0) for e in evidence), default=None),
         "mismatch": _mismatch(train or update),
         "evaluation": {k: v for k, v in (evaluate.metrics.items() if evaluate else []) if isinstance(v, dict)},
+        "seeds": seeds,
         "environment": msgspec.to_builtins(evidence[0].environment) if evidence and evidence[0].environment else None,
     }
-    data["release"] = release_verdict(plan, data, evidence)
+    evaluated = [row["evaluation"] for row in seeds if row["evaluation"]]
+    if len(evaluated) > 1:
+        data["evaluation"] = pooled_evaluation(evaluated, plan.gates.confidence)
+    data["release"] = release_verdict(plan, data, every)
     return data
 
 
@@ -171,13 +215,32 @@ def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
                          f"({low:+.3f}..{high:+.3f}) | {row['test']} | {row['p_value']:.3g} | {row['verdict']} |")
         lines += ["", "Small evaluation sets rarely separate base and trained; 'inconclusive' means the "
                   "data cannot tell them apart at this confidence, not that nothing changed."]
+        sampled = {split: row["sampled"] for split, row in data["evaluation"].items() if row.get("sampled")}
+        if sampled:
+            lines += ["", "## Sampled evaluation (pass@1 and pass^k, tau2-bench's definition)", "",
+                      "| split | attempts | items (excluded) | base pass@1 | trained pass@1 | base pass^k | trained pass^k |",
+                      "|---|---|---|---|---|---|---|"]
+            for split, row in sampled.items():
+                k = str(row["attempts"])
+                cells = [(row.get(p) or {}).get("pass@1") for p in ("base", "trained")]
+                cells += [(row.get(p) or {}).get("pass^k", {}).get(k) for p in ("base", "trained")]
+                lines.append(f"| {split} | {k} | {row['items']} ({row['excluded_items']}) | "
+                             + " | ".join("–" if c is None else f"{c:.3f}" for c in cells) + " |")
+    if len(data.get("seeds") or []) > 1:
+        lines += ["", "## Seeds (one trial per plan seed; the evaluation above pools them)", "",
+                  "| seed | train | evaluate | held-out trained | retention trained |", "|---|---|---|---|---|"]
+        for row in data["seeds"]:
+            evaluation = row["evaluation"]
+            lines.append(f"| {row['seed']} | {row['stages'].get('train', '–')} | {row['stages'].get('evaluate', '–')} | "
+                         + " | ".join(evaluation[split]["trained"] if split in evaluation else "–"
+                                      for split in ("heldout", "retention")) + " |")
     return "\n".join(lines) + "\n"
 
 
 def write_report(run_dir: Path) -> dict[str, Any]:
     """report.md, report.html (self-contained) and summary.json from the run's plan and evidence."""
     plan, evidence = load_run(run_dir)
-    data = summary(plan, evidence)
+    data = summary(plan, evidence, load_trials(run_dir, plan))
     write_redacted(run_dir / "report.md", markdown(plan, evidence, data))
     write_redacted(run_dir / "report.html", render_html(plan, [(data["stack"] or "arm", evidence, data)]))
     write_redacted(run_dir / "summary.json", json.dumps(data, indent=2, sort_keys=True) + "\n")

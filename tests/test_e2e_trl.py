@@ -109,13 +109,40 @@ def test_tiny_policy_is_deterministic(tmp_path):
     assert digests[0] == digests[1]
 
 
-def test_bad_plan_is_one_clear_line(tmp_path):
-    plan = tmp_path / "bad.yaml"
-    plan.write_text(PLAN.read_text().replace("prompts_per_step: 8", "prompts_per_step: eight"))
-    result = runner("qualify", "--stack", "trl", "--plan", str(plan))
-    assert result.returncode == 2
-    assert "Traceback" not in result.stderr
-    assert f"{plan}:17: field budget.prompts_per_step: Expected `int`, got `str`" in result.stderr.replace("\n", "")
+def test_each_plan_seed_is_a_trial_and_the_evaluation_pools_them(tmp_path):
+    """seeds: [7, 8] trains and evaluates twice, the second trial sampling with seed 8 under seeds/seed-8;
+    evaluation: {attempts: 2} adds two sampled attempts per item (pass@1, pass^2); the report pools both
+    trials' paired outcomes and lists each seed; --resume keeps both."""
+    plan = tmp_path / "seeds.yaml"
+    plan.write_text(PLAN.read_text().replace("seeds: [7]", "seeds: [7, 8]").replace("  steps: 8\n", "  steps: 3\n")
+                    .replace("n: 48, seed: 2", "n: 16, seed: 2").replace("n: 48, seed: 3", "n: 16, seed: 3")
+                    + "evaluation: {attempts: 2}\n")
+    run_dir = tmp_path / "run"
+    args = ("qualify", "--stack", "trl", "--plan", str(plan), "--stages", "train,evaluate", "--run-dir", str(run_dir),
+            "--json")
+    summary = json.loads(runner(*args, check=True).stdout)
+    assert [(row["seed"], row["stages"]) for row in summary["seeds"]] == [
+        (seed, {"train": "passed", "evaluate": "passed"}) for seed in (7, 8)]
+    trial = run_dir / "seeds" / "seed-8" / "stages"
+    requests = [json.loads((folder / "train" / "request.json").read_text()) for folder in (run_dir / "stages", trial)]
+    assert [r["plan"]["sampling"]["seed"] for r in requests] == [7, 8]
+    completions = [[line for line in (folder / "train" / "trajectories.jsonl").read_text().splitlines()]
+                   for folder in (run_dir / "stages", trial)]
+    assert completions[0] != completions[1], "the second trial samples with its own seed"
+    heldout = summary["evaluation"]["heldout"]
+    assert heldout["seeds"] == 2 and heldout["n"] == 32 and "2 repeats pooled" in heldout["test"]
+    assert len(heldout["trained_per_seed"]) == 2
+    sampled = heldout["sampled"]
+    assert sampled["attempts"] == 2 and sampled["items"] + sampled["excluded_items"] == 32
+    assert set(sampled["trained"]["pass^k"]) == {"1", "2"}
+    assert sampled["trained"]["pass^k"]["2"] <= sampled["trained"]["pass^k"]["1"] == sampled["trained"]["pass@1"]
+    records = [json.loads(line) for line in (trial / "evaluate" / "eval.jsonl").read_text().splitlines()]
+    assert sorted({(r["decoding"], r["attempt"]) for r in records}) == [("greedy", 0), ("sampled", 0), ("sampled", 1)]
+    assert "## Sampled evaluation" in (run_dir / "report.md").read_text()
+    assert "## Seeds" in (run_dir / "report.md").read_text() and "<h2>Seeds</h2>" in (run_dir / "report.html").read_text()
+    kept = (trial / "evaluate" / "evidence.json").read_bytes()
+    again = json.loads(runner(*args, "--resume", check=True).stdout)
+    assert again["passed"] and (trial / "evaluate" / "evidence.json").read_bytes() == kept
 
 
 def test_sft_recipe_passes_every_gate(tmp_path):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from runner_contracts import ErrorInfo, Evidence, RecordError, write_record
 
 from .._errors import EngineError
-from .arm import AdapterFailed, Arm, StageOutput, default_run_dir, now, prepare_arm
+from .arm import TRIAL_STAGES, AdapterFailed, Arm, StageOutput, default_run_dir, now, prepare_arm, trial_dir
 from .evidence import earlier_evidence, mark_interrupted, set_aside, write_skipped, write_stage_evidence
 from .evaluate import stage_evaluate
 from .probe import stage_probe
@@ -26,11 +26,13 @@ STAGES = tuple(STAGE_FUNCTIONS)
 # SFT trains on demonstrations, not sampled episodes: there is no rollout to audit.
 RECIPE_STAGES = {"grpo": STAGES, "sft": tuple(s for s in STAGES if s != "rollout")}
 
-__all__ = ["RECIPE_STAGES", "STAGES", "Arm", "default_run_dir", "prepare_arm", "run_arm", "run_stage"]
+__all__ = ["RECIPE_STAGES", "STAGES", "TRIAL_STAGES", "Arm", "default_run_dir", "prepare_arm", "run_arm", "run_stage",
+           "trial_dir"]
 
 
 def run_stage(arm: Arm, stage: str) -> Evidence:
     started = now()
+    arm.current_stage = stage
     arm.stage_dir(stage).mkdir(parents=True, exist_ok=True)
     try:
         output = STAGE_FUNCTIONS[stage](arm)
@@ -53,36 +55,51 @@ def run_stage(arm: Arm, stage: str) -> Evidence:
 
 def run_arm(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | None = None, *,
             resume: bool = False) -> list[Evidence]:
-    """Runs the stages in order; a stage that does not pass stops the arm (later stages: skipped).
-    With `resume`, stages that already passed in this run directory are kept, and a stage left behind
-    by an interrupted run is set aside (marked) and run again."""
+    """Runs the stages in order; a stage that does not pass stops the arm (later stages: skipped). Then,
+    if every stage passed, the train and evaluate stages again for each further plan seed (a trial each,
+    under seeds/seed-<n>/). With `resume`, stages that already passed in this run directory are kept, and
+    a stage left behind by an interrupted run is set aside (marked) and run again."""
     write_record(arm.run_dir / "plan.json", arm.plan)
-    notify = on_stage or (lambda stage, status: None)
-    results: list[Evidence] = []
-    stopped = False
     try:
-        for stage in stages:
-            if resume and not stopped:
-                earlier = earlier_evidence(arm, stage)
-                if earlier is not None and earlier.status == "passed" and earlier.plan_id == arm.plan.plan_id:
-                    if stage == "probe":
-                        arm.environment = earlier.environment  # later stages record it; no second read
-                    results.append(earlier)
-                    notify(stage, "passed")
-                    continue
-                if arm.stage_dir(stage).exists() and (earlier is None or earlier.status != "skipped"):
-                    arm.interrupted[stage] = set_aside(arm, stage)
-            if stopped:
-                results.append(write_skipped(arm, stage))
-                continue
-            notify(stage, "start")
-            if stage != "probe" and arm.environment is None:
-                probe = earlier_evidence(arm, "probe")
-                arm.environment = probe.environment if probe else None
-            evidence = run_stage(arm, stage)
-            stopped = evidence.status != "passed"
-            notify(stage, evidence.status)
-            results.append(evidence)
+        results = _run_stages(arm, stages, on_stage or (lambda stage, status: None), resume)
+        trial_stages = [stage for stage in stages if stage in TRIAL_STAGES]
+        for seed in arm.plan.seeds[1:] if trial_stages else ():
+            if any(evidence.status != "passed" for evidence in results):
+                break
+            trial = arm.trial(seed)
+
+            def notify(stage: str, status: str, seed: int = seed) -> None:
+                arm.on_event(stage, f"seed {seed}: {'running' if status == 'start' else status}")
+
+            results += _run_stages(trial, trial_stages, notify, resume)
     finally:
         arm.close()
+    return results
+
+
+def _run_stages(arm: Arm, stages: list[str], notify: Callable[[str, str], None], resume: bool) -> list[Evidence]:
+    results: list[Evidence] = []
+    stopped = False
+    for stage in stages:
+        if resume and not stopped:
+            earlier = earlier_evidence(arm, stage)
+            if earlier is not None and earlier.status == "passed" and earlier.plan_id == arm.plan.plan_id:
+                if stage == "probe":
+                    arm.environment = earlier.environment  # later stages record it; no second read
+                results.append(earlier)
+                notify(stage, "passed")
+                continue
+            if arm.stage_dir(stage).exists() and (earlier is None or earlier.status != "skipped"):
+                arm.interrupted[stage] = set_aside(arm, stage)
+        if stopped:
+            results.append(write_skipped(arm, stage))
+            continue
+        notify(stage, "start")
+        if stage != "probe" and arm.environment is None:
+            probe = earlier_evidence(arm, "probe")
+            arm.environment = probe.environment if probe else None
+        evidence = run_stage(arm, stage)
+        stopped = evidence.status != "passed"
+        notify(stage, evidence.status)
+        results.append(evidence)
     return results

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import re
 import time
@@ -9,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from runner_contracts import (
     PARTIAL_SUFFIX,
@@ -32,6 +35,7 @@ from .._secrets import redact_file
 from .._stacks import StackManifest, get_stack
 
 TRAINING_JOBS = ("update", "train")  # adapter jobs that train (the resume stage runs "train" jobs)
+TRIAL_STAGES = ("train", "evaluate")  # run once per plan seed
 
 
 def now() -> str:
@@ -58,6 +62,20 @@ class Arm:
     interrupted: dict[str, Path] = field(default_factory=dict)  # stage -> its set-aside interrupted attempt
     gpu_env: StackEnvironment | None = None
     provenance: Provenance | None = None  # computed once per arm, written into each stage's evidence
+    trial_seed: int | None = None  # the plan seed this arm's train and evaluate stages sample with
+    current_stage: str | None = None  # set by run_stage
+
+    def request_plan(self) -> Plan:
+        """The plan a job is given: in the train and evaluate stages, sampling with the trial's seed (the
+        other stages qualify the machinery with the plan's sampling.seed)."""
+        if self.current_stage not in TRIAL_STAGES or self.trial_seed in (None, self.plan.sampling.seed):
+            return self.plan
+        return msgspec.structs.replace(self.plan, sampling=msgspec.structs.replace(self.plan.sampling,
+                                                                                   seed=self.trial_seed))
+
+    def trial(self, seed: int) -> Arm:
+        """This arm's trial for another plan seed: same environments and rollout service, its own folder."""
+        return dataclasses.replace(self, run_dir=trial_dir(self.run_dir, seed), trial_seed=seed, interrupted={})
 
     def trains_on_gpu(self, job: str) -> bool:
         """Whether an adapter job of this stage name runs in the stack's GPU environment."""
@@ -91,16 +109,22 @@ class Arm:
             self.service = None
 
 
+def trial_dir(run_dir: Path, seed: int) -> Path:
+    """Where the trial of a plan seed after the first keeps its train and evaluate stages."""
+    return run_dir / "seeds" / f"seed-{seed}"
+
+
 def prepare_arm(manifest: StackManifest, engine: Engine, plan: Plan, run_dir: Path) -> Arm:
     """Environments for one arm: the stack's own, plus its trainer's for an environment stack, plus its GPU
-    environment on a GPU plan when it has one."""
+    environment on a GPU plan when it has one. The arm itself runs the trial of the plan's first seed."""
     gpu_env = engine.prepare(manifest.for_gpu()) if plan.budget.gpus and manifest.gpu else None
+    seed = plan.seeds[0] if plan.seeds else None
     if manifest.is_environment:
         trainer = get_stack(manifest.trainer or "")
         return Arm(manifest=manifest, engine=engine, env=engine.prepare(trainer), plan=plan, run_dir=run_dir,
-                   service_env=engine.prepare(manifest), gpu_env=gpu_env)
+                   service_env=engine.prepare(manifest), gpu_env=gpu_env, trial_seed=seed)
     return Arm(manifest=manifest, engine=engine, env=engine.prepare(manifest), plan=plan, run_dir=run_dir,
-               gpu_env=gpu_env)
+               gpu_env=gpu_env, trial_seed=seed)
 
 
 @dataclass
@@ -151,7 +175,7 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
             env = arm.service_env
         else:
             options["rollout_service"] = arm.rollout_service_url()
-    request = StageRequest(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan=arm.plan,
+    request = StageRequest(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan=arm.request_plan(),
                            out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir), steps=steps,
                            resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
     peer = arm.service if arm.service_env is not None and not in_stack_env else None

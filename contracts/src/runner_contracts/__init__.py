@@ -30,6 +30,7 @@ from .records import (
     EpisodeSpec,
     ErrorInfo,
     EvalRecord,
+    EvaluationSpec,
     Evidence,
     GateResult,
     GateSpec,
@@ -62,7 +63,7 @@ from .records import (
 
 __all__ = [
     "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration",
-    "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "FaultSpec", "EvalRecord", "Evidence", "GateResult", "GateSpec", "Hardware",
+    "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "FaultSpec", "EvalRecord", "EvaluationSpec", "Evidence", "GateResult", "GateSpec", "Hardware",
     "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Provenance", "Record", "RecordError", "ReleaseSpec", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageRequest", "StageResult", "TaskPackage", "TaskSpec", "TinyRecipe", "ToolCallRecord", "TrainingRow",
     "Trajectory", "Upstream", "canonical_json", "decode_record", "encode", "freeze_plan", "iter_jsonl",

@@ -32,8 +32,9 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
 def plan_id(plan: Plan) -> str:
     body = msgspec.to_builtins(plan)
     body.pop("plan_id", None)
-    if body.get("release") is None:  # added after the first plans were frozen; absent, it changes no id
-        body.pop("release", None)
+    for late in ("release", "evaluation"):  # added after the first plans were frozen; absent, they change no id
+        if body.get(late) is None:
+            body.pop(late, None)
     return sha256_bytes(canonical_json(body))
 
 

@@ -119,6 +119,14 @@ class ReleaseSpec(Record, kw_only=True):
     heldout_alpha: Annotated[float, msgspec.Meta(gt=0, lt=1)] | None = None
     retention: Literal["non-inferior", "zero-drop"] | None = None
     max_token_mult_prob_error: Annotated[float, msgspec.Meta(ge=1)] | None = None
+    min_pass_hat_k: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None  # trained held-out pass^k (plan.evaluation)
+
+
+class EvaluationSpec(Record, kw_only=True):
+    """Sampled evaluation besides greedy: `attempts` sampled episodes per held-out and retention item and
+    policy (the plan's sampling settings, seeded per attempt), reported as pass@1 and pass^k."""
+
+    attempts: Annotated[int, msgspec.Meta(ge=2, le=64)]
 
 
 class Plan(Record, kw_only=True):
@@ -134,6 +142,7 @@ class Plan(Record, kw_only=True):
     seeds: list[int] = msgspec.field(default_factory=lambda: [0])
     gates: GateSpec = msgspec.field(default_factory=GateSpec)
     release: ReleaseSpec | None = None  # plan_id leaves it out when absent: earlier plans keep their ids
+    evaluation: EvaluationSpec | None = None  # likewise
     plan_id: Sha256 | None = None
 
 
@@ -361,7 +370,9 @@ class EvalRecord(Record, kw_only=True):
     tool_calls: list[dict[str, Any]]
     stack_reward: float
     success: bool
-    finish_reason: str
+    finish_reason: str  # stop | length | error (an infrastructure failure: the item is left out and counted)
+    decoding: Literal["greedy", "sampled"] = "greedy"
+    attempt: NonNegInt = 0  # sampled: which of plan.evaluation.attempts
 
 
 # --- rollout service (environment adapters) ------------------------------------------------------

@@ -239,3 +239,13 @@ def items_needed(effect: float, discordance: float, confidence: float = 0.95, po
         raise ValueError(f"need 0 < effect ({effect}) <= discordance ({discordance}) <= 1: a difference in success "
                          "rate cannot exceed the share of items on which the two policies differ")
     return math.ceil((_z(confidence) + _z(2 * power - 1)) ** 2 * discordance / effect ** 2)
+
+
+def pass_hat_k(outcomes: list[tuple[int, int]], k: int) -> float:
+    """tau2-bench's pass^k: the mean over items of C(c, k) / C(n, k), for c successes in n attempts of each
+    item; the chance that k attempts drawn from an item's n all succeed. pass^1 is pass@1 (the mean c/n)."""
+    if not outcomes:
+        raise ValueError("pass^k of no items")
+    if k < 1 or any(n < k for _, n in outcomes):
+        raise ValueError(f"pass^{k} needs k >= 1 and at least k attempts of every item")
+    return sum(math.comb(c, k) / math.comb(n, k) for c, n in outcomes) / len(outcomes)

@@ -6,6 +6,7 @@ from .stages import (
     evaluate_gates,
     latest_complete_checkpoint,
     lock_gate,
+    pooled_evaluation,
     resume_gates,
     service_gates,
     update_gates,
@@ -15,5 +16,5 @@ from .trace import TraceAudit
 
 __all__ = [
     "TraceAudit", "call_gates", "checkpoint_revisions", "evaluate_gates", "latest_complete_checkpoint",
-    "lock_gate", "resume_gates", "service_gates", "sft_gates", "update_gates",
+    "lock_gate", "pooled_evaluation", "resume_gates", "service_gates", "sft_gates", "update_gates",
 ]

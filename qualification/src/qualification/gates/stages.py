@@ -8,7 +8,16 @@ from pathlib import Path
 
 from runner_contracts import COMPLETE_MARKER, EvalRecord, GateResult, ServiceCase, Trajectory, TrainingRow, sha256_file
 
-from ..stats import compare_paired, detectable_difference, non_inferior, rate_text
+from ..stats import (
+    PairedComparison,
+    aggregate_paired,
+    aggregate_seeds,
+    compare_paired,
+    detectable_difference,
+    non_inferior,
+    pass_hat_k,
+    rate_text,
+)
 from ..tasks import TaskItem, ToolCall, Transcript, get_family, replay
 
 def lock_gate(installed: dict[str, str], locked: dict[str, str], also_ignored: tuple[str, ...] = ()) -> GateResult:
@@ -152,6 +161,7 @@ def evaluate_gates(records: list[EvalRecord], margin: float, confidence: float) 
     """Re-scores every episode, pairs base and trained on the same items, and states verdicts."""
     rescored_wrong = []
     by_split: dict[str, dict[str, dict[str, bool]]] = defaultdict(lambda: defaultdict(dict))
+    sampled: dict[str, dict[str, dict[str, list[bool | None]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for record in records:
         item = TaskItem.from_json(record.item)
         calls = [ToolCall(name=c["name"], arguments=c.get("arguments", {}), result=str(c.get("result", "")))
@@ -159,7 +169,11 @@ def evaluate_gates(records: list[EvalRecord], margin: float, confidence: float) 
         reference = get_family(item.family).score(item, Transcript(final_text=record.final_text, tool_calls=calls))
         if reference.success != record.success:
             rescored_wrong.append(f"{record.policy}/{record.task_id}")
-        by_split[record.split][record.policy][record.task_id] = reference.success
+        if record.decoding == "sampled":
+            outcome = None if record.finish_reason == "error" else reference.success
+            sampled[record.split][record.policy][record.task_id].append(outcome)
+        else:
+            by_split[record.split][record.policy][record.task_id] = reference.success
     summary: dict[str, dict] = {}
     gates = [GateResult(name="evaluate:scores-verified", passed=bool(records) and not rescored_wrong,
                         measured=len(rescored_wrong), threshold=0,
@@ -172,15 +186,9 @@ def evaluate_gates(records: list[EvalRecord], margin: float, confidence: float) 
                                     "evaluated on the same items"))
             continue
         comparison = compare_paired([base[i] for i in items], [trained[i] for i in items], confidence)
-        summary[split] = {
-            "n": comparison.n, "base_k": comparison.base_k, "trained_k": comparison.trained_k,
-            "base": rate_text(comparison.base_k, comparison.n, confidence),
-            "trained": rate_text(comparison.trained_k, comparison.n, confidence),
-            "difference": comparison.difference, "difference_ci": list(comparison.difference_ci),
-            "p_value": comparison.p_value, "test": comparison.test, "verdict": comparison.verdict,
-            "detectable_difference": detectable_difference(
-                comparison.n, comparison.improved_pairs + comparison.worsened_pairs, confidence),
-        }
+        summary[split] = _paired_row(comparison, confidence)
+        if split in sampled:
+            summary[split]["sampled"] = sampled_figures(sampled[split])
         if split == "retention":
             ok = non_inferior(comparison, margin)
             gates.append(GateResult(
@@ -195,3 +203,72 @@ def evaluate_gates(records: list[EvalRecord], margin: float, confidence: float) 
                 detail=f"base {summary[split]['base']} -> trained {summary[split]['trained']}; "
                        f"{comparison.test} p={comparison.p_value:.3g}"))
     return gates, summary
+
+
+def _paired_row(comparison: PairedComparison, confidence: float) -> dict:
+    """A split's row: rates with intervals, the paired test and its verdict, what the sample could detect."""
+    return {
+        "n": comparison.n, "base_k": comparison.base_k, "trained_k": comparison.trained_k,
+        "base": rate_text(comparison.base_k, comparison.n, confidence),
+        "trained": rate_text(comparison.trained_k, comparison.n, confidence),
+        "difference": comparison.difference, "difference_ci": list(comparison.difference_ci),
+        "p_value": comparison.p_value, "test": comparison.test, "verdict": comparison.verdict,
+        "improved_pairs": comparison.improved_pairs, "worsened_pairs": comparison.worsened_pairs,
+        "detectable_difference": detectable_difference(
+            comparison.n, comparison.improved_pairs + comparison.worsened_pairs, confidence),
+    }
+
+
+def sampled_figures(by_policy: dict[str, dict[str, list[bool | None]]]) -> dict:
+    """pass@1 and pass^k (k = 1 .. attempts) per policy from each item's sampled attempts (None: an
+    infrastructure error); an item with an errored attempt, in either policy, is left out and counted."""
+    errored = {task for attempts in by_policy.values() for task, outcomes in attempts.items() if None in outcomes}
+    attempts = min((len(outcomes) for by_task in by_policy.values() for outcomes in by_task.values()), default=0)
+    figures: dict = {"attempts": attempts, "excluded_items": len(errored)}
+    for policy, by_task in sorted(by_policy.items()):
+        outcomes = [(sum(o[:attempts]), attempts) for task, o in sorted(by_task.items()) if task not in errored]
+        figures["items"] = len(outcomes)
+        figures[policy] = {"pass@1": round(pass_hat_k(outcomes, 1), 4) if outcomes else None,
+                           "pass^k": {str(k): round(pass_hat_k(outcomes, k), 4) for k in range(1, attempts + 1)}
+                           if outcomes else {}}
+    return figures
+
+
+def _pooled_sampled(rows: list[dict]) -> dict:
+    """pass@1 and pass^k over several trials' sampled figures: item-weighted means (the same k in each)."""
+    attempts = min(row["attempts"] for row in rows)
+    items = sum(row["items"] for row in rows)
+    pooled: dict = {"attempts": attempts, "items": items, "excluded_items": sum(row["excluded_items"] for row in rows)}
+    for policy in ("base", "trained"):
+        weighted = [(row["items"], row[policy]) for row in rows if row.get(policy) and row[policy]["pass@1"] is not None]
+        if not weighted or not items:
+            continue
+        pooled[policy] = {"pass@1": round(sum(n * f["pass@1"] for n, f in weighted) / items, 4),
+                          "pass^k": {str(k): round(sum(n * f["pass^k"][str(k)] for n, f in weighted) / items, 4)
+                                     for k in range(1, attempts + 1)}}
+    return pooled
+
+
+def pooled_evaluation(per_seed: list[dict[str, dict]], confidence: float) -> dict[str, dict]:
+    """One row per split over the trials of several seeds (each an evaluate stage's summary): the exact
+    McNemar test on the discordant pairs of every trial together, the pooled rates, the per-seed trained
+    rates (the spread a pooled figure alone would hide) and what the pooled sample could detect."""
+    pooled: dict[str, dict] = {}
+    splits = sorted({split for summary in per_seed for split in summary})
+    for split in splits:
+        rows = [summary[split] for summary in per_seed if split in summary]
+        if len(rows) != len(per_seed) or any("improved_pairs" not in row for row in rows):
+            continue
+        comparison = aggregate_paired([PairedComparison(
+            n=row["n"], base_k=row["base_k"], trained_k=row["trained_k"], improved_pairs=row["improved_pairs"],
+            worsened_pairs=row["worsened_pairs"], p_value=row["p_value"], difference=row["difference"],
+            difference_ci=tuple(row["difference_ci"]), verdict=row["verdict"]) for row in rows], confidence)
+        spread = aggregate_seeds([(row["trained_k"], row["n"]) for row in rows], confidence)
+        pooled[split] = {
+            **_paired_row(comparison, confidence),
+            **({"sampled": _pooled_sampled([row["sampled"] for row in rows])} if all("sampled" in row for row in rows)
+               else {}),
+            "seeds": len(rows), "trained_per_seed": [round(row["trained_k"] / row["n"], 4) for row in rows],
+            "trained_spread": [round(spread.spread[0], 4), round(spread.spread[1], 4)],
+        }
+    return pooled

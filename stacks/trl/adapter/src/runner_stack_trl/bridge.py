@@ -249,25 +249,33 @@ def evaluate(request: StageRequest) -> StageResult:
             tokenizer = AutoTokenizer.from_pretrained(path)
             server = PolicyServer(AutoModelForCausalLM.from_pretrained(path), tokenizer, sampling=plan.sampling,
                                   calls_path=out_dir / f"calls-{label}.jsonl", revision=label).start()
-            server.greedy = True
             try:
-                for split_label, spec in splits:
-                    rows = task_rows(spec.family or plan.task.family, spec.split, spec.n, spec.seed)
-                    episodes = [EpisodeSpec(episode_id=f"eval/{label}/{split_label}/{get_item_id(row)}",
-                                            task_id=get_item_id(row), family=row["environment"], item=row["item"],
-                                            seed=plan.sampling.seed, max_turns=plan.budget.max_turns) for row in rows]
-                    response = request_rollouts(request.options["rollout_service"], episodes, server, plan, path)
-                    for episode, result in zip(episodes, response.results, strict=True):
-                        key = f"{label}/{split_label}"
-                        counts.setdefault(key, {"k": 0, "n": 0})
-                        counts[key]["k"] += int(result.success)
-                        counts[key]["n"] += 1
-                        writer.write(EvalRecord(
-                            policy=label, split=split_label, task_id=episode.task_id, item=episode.item,
-                            final_text=result.final_text,
-                            tool_calls=[msgspec.to_builtins(c) for c in result.tool_calls],
-                            stack_reward=result.reward, success=result.success, finish_reason=result.finish_reason))
+                for attempt in [None, *range(plan.evaluation.attempts if plan.evaluation else 0)]:
+                    server.greedy = attempt is None
+                    tag = "" if attempt is None else f"a{attempt}/"
+                    for split_label, spec in splits:
+                        rows = task_rows(spec.family or plan.task.family, spec.split, spec.n, spec.seed)
+                        episodes = [EpisodeSpec(
+                            episode_id=f"eval/{label}/{split_label}/{tag}{get_item_id(row)}", task_id=get_item_id(row),
+                            family=row["environment"], item=row["item"], max_turns=plan.budget.max_turns,
+                            seed=plan.sampling.seed if attempt is None else plan.sampling.seed * 1009 + attempt)
+                            for row in rows]
+                        response = request_rollouts(request.options["rollout_service"], episodes, server, plan, path)
+                        for episode, result in zip(episodes, response.results, strict=True):
+                            key = f"{label}/{split_label}" + ("" if attempt is None else "/sampled")
+                            counts.setdefault(key, {"k": 0, "n": 0})
+                            counts[key]["k"] += int(result.success)
+                            counts[key]["n"] += 1
+                            writer.write(EvalRecord(
+                                policy=label, split=split_label, task_id=episode.task_id, item=episode.item,
+                                final_text=result.final_text,
+                                tool_calls=[msgspec.to_builtins(c) for c in result.tool_calls],
+                                stack_reward=result.reward, success=result.success,
+                                finish_reason="error" if result.status == "failed" else result.finish_reason,
+                                decoding="greedy" if attempt is None else "sampled",
+                                attempt=attempt or 0))
             finally:
                 server.close()
-    return StageResult(stage="evaluate", metrics={"counts": counts, "decoding": "greedy"},
+    decoding = "greedy" + (f" and {plan.evaluation.attempts} sampled attempts" if plan.evaluation else "")
+    return StageResult(stage="evaluate", metrics={"counts": counts, "decoding": decoding},
                        files={"eval": "eval.jsonl"})

@@ -14,6 +14,7 @@ from qualification.tasks import TaskItem, get_family
 from runner_contracts import (
     EvalRecord,
     JsonlWriter,
+    SamplingSpec,
     ServiceCase,
     StageRequest,
     StageResult,
@@ -206,14 +207,17 @@ def train(request: StageRequest) -> StageResult:
 # --- evaluate ----------------------------------------------------------------------------------------
 
 
-def _run_episodes(trainer, rows: list[dict[str, Any]], batch_size: int = 16):
-    """Greedy episodes through TRL's own generate + tool loop (no training). Yields (row, transcript, finish)."""
+def _run_episodes(trainer, rows: list[dict[str, Any]], batch_size: int = 16, sampling: SamplingSpec | None = None):
+    """Episodes through TRL's own generate + tool loop (no training): greedy, or sampled with `sampling`'s
+    settings (the caller seeds torch). Yields (row, env, transcript, finish)."""
     from .grpo import final_text
 
     trainer.model.eval()
-    trainer.generation_config.do_sample = False
-    for attr in ("temperature", "top_p", "top_k"):
-        setattr(trainer.generation_config, attr, None)
+    config = trainer.generation_config
+    config.do_sample = sampling is not None
+    config.temperature = sampling.temperature if sampling else None
+    config.top_p = sampling.top_p if sampling else None
+    config.top_k = (sampling.top_k or None) if sampling else None
     for start in range(0, len(rows), batch_size):
         batch = rows[start : start + batch_size]
         # The per-rollout environment and tool wiring GRPOTrainer does in _generate_and_score_completions.
@@ -235,7 +239,10 @@ def _run_episodes(trainer, rows: list[dict[str, Any]], batch_size: int = 16):
 
 
 def evaluate(request: StageRequest) -> StageResult:
-    """Held-out and retention splits, base vs trained policy, the same greedy decoding for both."""
+    """Held-out and retention splits, base vs trained policy, the same greedy decoding for both; with
+    plan.evaluation, also that many sampled attempts per item and policy (attempt a seeded the same for both)."""
+    import torch
+
     from .grpo import build_trainer, task_rows
 
     plan = request.plan
@@ -250,20 +257,27 @@ def evaluate(request: StageRequest) -> StageResult:
             any_rows = [rows[0] for rows in all_rows.values()]
             trainer = build_trainer(plan, policy_path, Path(request.out_dir) / "scratch", steps=1, recorder=None,
                                     train_items=[r for r in any_rows if r["environment"] in families])
-            for split_label, rows in all_rows.items():
-                for row, env, transcript, finish in _run_episodes(trainer, rows):
-                    item = TaskItem.from_json(row["item"])
-                    score = env.family.score(item, transcript)
-                    key = f"{policy_label}/{split_label}"
-                    counts.setdefault(key, {"k": 0, "n": 0})
-                    counts[key]["k"] += int(score.success)
-                    counts[key]["n"] += 1
-                    writer.write(EvalRecord(
-                        policy=policy_label, split=split_label, task_id=item.task_id, item=row["item"],
-                        final_text=transcript.final_text,
-                        tool_calls=_calls(transcript), stack_reward=score.reward, success=score.success,
-                        finish_reason=finish,
-                    ))
+            attempts = [None] + list(range(plan.evaluation.attempts if plan.evaluation else 0))
+            for attempt in attempts:
+                if attempt is not None:
+                    torch.manual_seed(plan.sampling.seed * 1009 + attempt)
+                for split_label, rows in all_rows.items():
+                    for row, env, transcript, finish in _run_episodes(
+                            trainer, rows, sampling=None if attempt is None else plan.sampling):
+                        item = TaskItem.from_json(row["item"])
+                        score = env.family.score(item, transcript)
+                        key = f"{policy_label}/{split_label}" + ("" if attempt is None else "/sampled")
+                        counts.setdefault(key, {"k": 0, "n": 0})
+                        counts[key]["k"] += int(score.success)
+                        counts[key]["n"] += 1
+                        writer.write(EvalRecord(
+                            policy=policy_label, split=split_label, task_id=item.task_id, item=row["item"],
+                            final_text=transcript.final_text,
+                            tool_calls=_calls(transcript), stack_reward=score.reward, success=score.success,
+                            finish_reason=finish, decoding="greedy" if attempt is None else "sampled",
+                            attempt=attempt or 0,
+                        ))
     shutil.rmtree(Path(request.out_dir) / "scratch", ignore_errors=True)
-    return StageResult(stage="evaluate", metrics={"counts": counts, "decoding": "greedy"},
+    decoding = "greedy" + (f" and {plan.evaluation.attempts} sampled attempts" if plan.evaluation else "")
+    return StageResult(stage="evaluate", metrics={"counts": counts, "decoding": decoding},
                        files={"eval": "eval.jsonl"})
