@@ -74,9 +74,7 @@ def _policy_problems(plan: Plan) -> Iterator[tuple[str, str]]:
             yield "policy.path", "required when policy.kind is 'path'"
         elif problems := checkpoint_problems(Path(spec.path)):
             yield "policy.path", "the checkpoint cannot be used: " + "; ".join(problems)
-        if spec.tiny is not None:
-            yield "policy.tiny", "a recipe for the tiny policy, given with policy.kind 'path'"
-        return
+        return  # a tiny recipe left beside kind: path is not used
     for field in ("path", "sha256"):
         if getattr(spec, field) is not None:
             yield f"policy.{field}", "given with policy.kind 'tiny', which builds its own weights; use kind: path"

@@ -31,6 +31,8 @@ def run(request):
         time.sleep(600)
     if request.stage == "fail":
         raise ValueError("the adapter refused: bad option")
+    if request.plan.name == "exit-without-result":  # a misbehaving stack
+        os._exit(0)
     if request.stage == "probe":
         import importlib.metadata, platform
         from runner_contracts import EnvironmentInfo
@@ -227,3 +229,21 @@ def test_a_build_killed_half_way_is_rebuilt_not_used(stack, tmp_path):
     output = again.communicate(timeout=600)[0]
     assert again.returncode == 0 and "building echo environment" in output, output
     assert (env_dir / ENV_MARKER).is_file()
+
+
+def test_an_adapter_that_exits_0_without_a_result_fails_its_stage(stack, engine, tmp_path):
+    import subprocess
+    import sys
+
+    engine.prepare(stack)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.read_text().replace("name: calc-tool-cpu", "name: exit-without-result").replace(
+        "  kind: tiny ", f"  path: {stand_in_checkpoint(tmp_path / 'policy')}\n  kind: path "))
+    result = subprocess.run([str(Path(sys.executable).parent / "runner"), "qualify", "--stack", "echo", "--plan",
+                             str(plan), "--stages", "probe", "--run-dir", str(tmp_path / "run"), "--json"],
+                            capture_output=True, text=True, env={**os.environ, "RUNNER_STACKS_DIR": str(stack.folder.parent),
+                                                                 "RUNNER_CACHE_DIR": str(engine.root.parent)})
+    assert result.returncode == 1, result.stderr
+    evidence = json.loads((tmp_path / "run" / "stages" / "probe" / "evidence.json").read_text())
+    assert evidence["status"] == "error" and evidence["error"]["kind"] == "missing-result"
+    assert "exited 0 without writing" in evidence["error"]["message"] and "Traceback" not in result.stderr

@@ -197,6 +197,9 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
     if outcome.timed_out:
         raise AdapterFailed(ErrorInfo(kind="timeout", message=f"{stage} exceeded the plan's wall_clock_s "
                                       f"({arm.plan.budget.wall_clock_s:g} s); process group killed"))
+    if outcome.ok and result is None:
+        raise AdapterFailed(ErrorInfo(kind="missing-result", message=f"the adapter exited 0 without writing "
+                                      f"{out_dir / 'result.json'} (logs: {outcome.stderr})"))
     if not outcome.ok:
         message = (result.error.message if result and result.error else "") or last_error_lines(outcome.stderr)
         kind = result.error.kind if result and result.error else "adapter-exit"
