@@ -114,9 +114,9 @@ def test_each_plan_seed_is_a_trial_and_the_evaluation_pools_them(tmp_path):
     evaluation: {attempts: 2} adds two sampled attempts per item (pass@1, pass^2); the report pools both
     trials' paired outcomes and lists each seed; --resume keeps both."""
     plan = tmp_path / "seeds.yaml"
-    plan.write_text(PLAN.read_text().replace("seeds: [7]", "seeds: [7, 8]").replace("  steps: 8\n", "  steps: 3\n")
-                    .replace("n: 48, seed: 2", "n: 16, seed: 2").replace("n: 48, seed: 3", "n: 16, seed: 3")
-                    + "evaluation: {attempts: 2}\n")
+    plan.write_text(PLAN.read_text().replace("seeds: [7]", "seeds: [7, 8]").replace("  steps: 8\n", "  steps: 2\n")
+                    .replace("resume_steps: 3", "resume_steps: 2").replace("n: 48, seed: 2", "n: 8, seed: 2")
+                    .replace("n: 48, seed: 3", "n: 8, seed: 3") + "evaluation: {attempts: 2}\n")
     run_dir = tmp_path / "run"
     args = ("qualify", "--stack", "trl", "--plan", str(plan), "--stages", "train,evaluate", "--run-dir", str(run_dir),
             "--json")
@@ -130,10 +130,10 @@ def test_each_plan_seed_is_a_trial_and_the_evaluation_pools_them(tmp_path):
                    for folder in (run_dir / "stages", trial)]
     assert completions[0] != completions[1], "the second trial samples with its own seed"
     heldout = summary["evaluation"]["heldout"]
-    assert heldout["seeds"] == 2 and heldout["n"] == 32 and "2 repeats pooled" in heldout["test"]
+    assert heldout["seeds"] == 2 and heldout["n"] == 16 and "2 repeats pooled" in heldout["test"]
     assert len(heldout["trained_per_seed"]) == 2
     sampled = heldout["sampled"]
-    assert sampled["attempts"] == 2 and sampled["items"] + sampled["excluded_items"] == 32
+    assert sampled["attempts"] == 2 and sampled["items"] + sampled["excluded_items"] == 16
     assert set(sampled["trained"]["pass^k"]) == {"1", "2"}
     assert sampled["trained"]["pass^k"]["2"] <= sampled["trained"]["pass^k"]["1"] == sampled["trained"]["pass@1"]
     records = [json.loads(line) for line in (trial / "evaluate" / "eval.jsonl").read_text().splitlines()]
@@ -159,18 +159,19 @@ def test_sft_recipe_passes_every_gate(tmp_path):
 
 @pytest.mark.parametrize("plan_name", ["german-rag-cited-cpu", "business-comm-cpu"])
 def test_trl_qualifies_on_the_programme_tracks(plan_name, tmp_path):
-    """The synthetic RAG and business-communication tracks: every gate passes with a tiny policy; the held-out
-    verdict is the one the paired test's p-value and direction give at the plan's confidence (which one
-    depends on the machine's floating point: business-comm read 19/48 -> 30/48, p=0.019, improved, on one
-    machine and inconclusive on another), and the report shows it."""
+    """The synthetic RAG and business-communication tracks, each with its own warm-started tiny policy, through
+    the stages that exercise the track (its tools, scorer and multi-turn loop in the service stage; a sampled
+    batch with tool calls and reward variance; two GRPO steps with the trace audit). Training to the end and
+    the held-out verdict are the same code for every track: the session's comparison covers them."""
     plan = ROOT / "qualification" / "plans" / f"{plan_name}.yaml"
     run_dir = tmp_path / plan_name
-    result = runner("qualify", "--stack", "trl", "--plan", str(plan), "--run-dir", str(run_dir), "--json")
+    stages = ("probe", "service", "rollout", "update")
+    result = runner("qualify", "--stack", "trl", "--plan", str(plan), "--stages", ",".join(stages),
+                    "--run-dir", str(run_dir), "--json")
     summary = json.loads(result.stdout)
     assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}"
-    heldout = summary["evaluation"]["heldout"]
-    alpha = 1 - json.loads((run_dir / "plan.json").read_text())["gates"]["confidence"]
-    direction = "improved" if heldout["trained_k"] > heldout["base_k"] else "regressed"
-    assert heldout["verdict"] == (direction if heldout["p_value"] < alpha else "inconclusive"), heldout
-    page = (run_dir / "report.html").read_text()
-    assert heldout["verdict"] in page and "Held-out and retention success" in page
+    assert summary["stages"] == {stage: "passed" for stage in stages}
+    rollout = json.loads((run_dir / "stages" / "rollout" / "evidence.json").read_text())
+    gates = {g["name"]: g["passed"] for g in rollout["gates"]}
+    assert gates["signal:tool-calls"] and gates["trace:trained-equals-sampled"], gates
+    assert "Gate matrix" in (run_dir / "report.html").read_text()
