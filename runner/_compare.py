@@ -15,7 +15,7 @@ from ._html import render as render_html
 from ._html import sampled_text
 from ._report import load_run, load_trials, summary
 from ._secrets import write_redacted
-from ._stages import RECIPE_STAGES, STAGES
+from ._stages import RECIPE_STAGES, STAGES, trial_dir
 
 
 def _metrics(evidence: list[Evidence], stage: str) -> dict[str, Any]:
@@ -198,25 +198,43 @@ def markdown(plan: Plan, arms: list[dict[str, Any]], stages: list[str], tests: d
     return "\n".join(lines) + "\n"
 
 
-def arm_tests(run_dir: Path, stacks: list[str], confidence: float) -> dict[str, Any]:
-    """Per evaluation split, every pair of arms' trained policies on the same items (greedy outcomes from
-    each arm's eval.jsonl, which its evaluate stage re-scored), Holm-adjusted, and the ranking they allow."""
-    outcomes: dict[str, dict[str, dict[str, bool]]] = {}
-    for stack in stacks:
-        path = run_dir / "arms" / stack / "stages" / "evaluate" / "eval.jsonl"
+def _trained_outcomes(arm_dir: Path, plan: Plan) -> dict[str, dict[str, list[bool]]]:
+    """split -> task id -> the trained policy's outcomes in every trial (greedy and sampled), from each
+    evaluate stage's eval.jsonl (which that stage re-scored)."""
+    folders = [arm_dir / "stages" / "evaluate"] + [trial_dir(arm_dir, seed) / "stages" / "evaluate"
+                                                    for seed in plan.seeds[1:]]
+    outcomes: dict[str, dict[str, list[bool]]] = {}
+    for folder in folders:
         try:
-            records = read_jsonl(path, EvalRecord) if path.is_file() else []
+            records = read_jsonl(folder / "eval.jsonl", EvalRecord) if (folder / "eval.jsonl").is_file() else []
         except RecordError:
             records = []
         for record in records:
-            if record.policy == "trained":
-                outcomes.setdefault(record.split, {}).setdefault(stack, {})[record.task_id] = record.success
+            if record.policy == "trained" and record.finish_reason != "error":
+                outcomes.setdefault(record.split, {}).setdefault(record.task_id, []).append(record.success)
+    return outcomes
+
+
+def arm_tests(run_dir: Path, stacks: list[str], plan: Plan) -> dict[str, Any]:
+    """Per evaluation split, every pair of arms' trained policies on the same items, Holm-adjusted, and the
+    ranking they allow: exact McNemar on greedy outcomes with one trial; with several seeds or sampled
+    attempts, the exact sign test on each item's success rate over them."""
+    by_arm = {stack: _trained_outcomes(run_dir / "arms" / stack, plan) for stack in stacks}
     tests = {}
-    for split, by_arm in sorted(outcomes.items()):
-        if len(by_arm) < 2:
+    for split in sorted({split for outcomes in by_arm.values() for split in outcomes}):
+        arms = {stack: by_arm[stack][split] for stack in stacks if split in by_arm[stack]}
+        if len(arms) < 2:
             continue
-        pairs, ranking = pairwise_arms({stack: by_arm[stack] for stack in stacks if stack in by_arm}, confidence)
-        tests[split] = {"ranking": ranking, "test": "exact McNemar on greedy outcomes, Holm-adjusted",
+        repeated = any(len(results) > 1 for outcomes in arms.values() for results in outcomes.values())
+        if repeated:
+            rates = {stack: {task: sum(r) / len(r) for task, r in outcomes.items()} for stack, outcomes in arms.items()}
+            name = "exact sign test on per-item success rates over seeds and sampled attempts"
+            pairs, ranking = pairwise_arms(rates, plan.gates.confidence, test=name)
+        else:
+            name = "exact McNemar on greedy outcomes"
+            pairs, ranking = pairwise_arms({stack: {task: r[0] for task, r in outcomes.items()}
+                                            for stack, outcomes in arms.items()}, plan.gates.confidence)
+        tests[split] = {"ranking": ranking, "test": f"{name}, Holm-adjusted",
                         "pairs": [dataclasses.asdict(pair) for pair in pairs]}
     return tests
 
@@ -237,7 +255,7 @@ def write_comparison(run_dir: Path, stacks: list[str]) -> dict[str, Any]:
     arms = [arm_figures(stack, evidence, data) for stack, evidence, data in datas]
     stages = [stage for stage in STAGES if any(stage in arm["gates"] for arm in arms)]
     result = {"plan_id": plan.plan_id, "plan": plan.name, "passed": all(a["passed"] for a in arms), "arms": arms,
-              "stages": stages, "arm_tests": arm_tests(run_dir, stacks, plan.gates.confidence)}
+              "stages": stages, "arm_tests": arm_tests(run_dir, stacks, plan)}
     write_redacted(run_dir / "comparison.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
     write_redacted(run_dir / "comparison.md", markdown(plan, arms, stages, result["arm_tests"]))
     write_redacted(run_dir / "report.html", render_html(plan, datas, comparison=(

@@ -207,7 +207,8 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
                        f"{p['second_k']} of {p['n']}</td><td class='num'>{p['p_holm']:.3g}</td>"
                        f"<td><b>{_e(p['verdict'])}</b></td></tr>" for p in found["pairs"])
         sections.append(f"<h2>Arm against arm: {_e(split)}</h2><p><b>{_e(found['ranking'])}</b></p><table><tr>"
-                        f"<th>pair</th><th>solved (greedy)</th><th>p (Holm)</th><th>verdict</th></tr>{rows}</table>")
+                        f"<th>pair</th><th>solved (or summed success rates)</th><th>p (Holm)</th><th>verdict</th></tr>{rows}"
+                        f"</table><p class='note'>{_e(found['test'])}</p>")
     bars, verdicts = [], []
     for arm, _, data in arms:
         for split, row in (data.get("evaluation") or {}).items():

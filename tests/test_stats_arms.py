@@ -1,5 +1,6 @@
 """Arm against arm: Holm's adjustment and the pairwise exact McNemar tests, pinned to hand-computed values."""
 
+import msgspec
 import pytest
 from qualification.stats import holm, mcnemar_exact, pairwise_arms
 
@@ -74,6 +75,40 @@ def test_the_comparison_reports_arm_against_arm_from_each_arms_eval_records(tmp_
     assert "## Arm against arm: heldout" in (tmp_path / "comparison.md").read_text()
     assert "Arm against arm: heldout" in (tmp_path / "report.html").read_text()
     assert json.loads((tmp_path / "comparison.json").read_text())["arm_tests"] == result["arm_tests"]
+
+
+def test_arms_with_several_trials_are_compared_on_per_item_success_rates(tmp_path):
+    """Two seeds, each trial with one greedy and two sampled outcomes per item: 'steady' solves every item
+    in every attempt, 'shaky' two of three on the first 12 items and none on the rest; the exact sign test
+    counts 24 items where steady's rate is higher and none the other way: p = 2 * 0.5**24."""
+    from runner_contracts import EvalRecord, Evidence, JsonlWriter, freeze_plan, write_record
+    from test_contracts import PLAN
+
+    from runner.api import load_plan, write_comparison
+
+    raw = load_plan(PLAN)
+    plan = freeze_plan(msgspec.structs.replace(raw, seeds=[7, 8]))
+    for stack in ("steady", "shaky"):
+        arm = tmp_path / "arms" / stack
+        write_record(arm / "plan.json", plan)
+        for folder in (arm, arm / "seeds" / "seed-8"):
+            write_record(folder / "stages" / "evaluate" / "evidence.json", Evidence(
+                run_id=stack, stack=stack, stage="evaluate", plan_id=plan.plan_id, status="passed",
+                started_at="2026-12-01T00:00:00+00:00", finished_at="2026-12-01T00:00:01+00:00"))
+            with JsonlWriter(folder / "stages" / "evaluate" / "eval.jsonl") as writer:
+                for i in range(24):
+                    for decoding, attempt in (("greedy", 0), ("sampled", 0), ("sampled", 1)):
+                        success = stack == "steady" or (i < 12 and attempt == 0)
+                        writer.write(EvalRecord(policy="trained", split="heldout", task_id=f"t{i}", item="{}",
+                                                final_text="", tool_calls=[], stack_reward=float(success),
+                                                success=success, finish_reason="stop", decoding=decoding,
+                                                attempt=attempt))
+    heldout = write_comparison(tmp_path, ["steady", "shaky"])["arm_tests"]["heldout"]
+    pair = heldout["pairs"][0]
+    assert heldout["test"].startswith("exact sign test on per-item success rates")
+    assert (pair["n"], pair["only_first"], pair["only_second"]) == (24, 24, 0)
+    assert pair["first_k"] == 24 and pair["second_k"] == pytest.approx(12 * 2 / 3)
+    assert pair["p_value"] == pytest.approx(2 * 0.5 ** 24) and pair["verdict"] == "steady better"
 
 
 def test_the_detectable_difference_is_the_mcnemar_power_approximation():

@@ -170,32 +170,35 @@ def holm(p_values: list[float]) -> list[float]:
 
 @dataclass(frozen=True)
 class ArmPair:
-    """Two arms' trained policies on the same held-out items: exact McNemar, Holm-adjusted over the pairs."""
+    """Two arms' trained policies on the same held-out items, Holm-adjusted over the pairs: exact McNemar on
+    one outcome per item, or the exact sign test on per-item success rates (several seeds or attempts)."""
 
     first: str
     second: str
     n: int
-    first_k: int
-    second_k: int
-    only_first: int  # items the first arm solved and the second did not
+    first_k: float  # items solved (one outcome per item) or the sum of per-item success rates
+    second_k: float
+    only_first: int  # items on which the first arm did better (solved, or a higher rate) than the second
     only_second: int
     p_value: float
     p_holm: float
     verdict: str  # "<arm> better" | "indistinguishable"
 
 
-def pairwise_arms(outcomes: dict[str, dict[str, bool]], confidence: float = 0.95) -> tuple[list[ArmPair], str]:
-    """Every pair of arms on the items all of them were evaluated on (arm -> task id -> success), and
-    a ranking sentence that orders arms only where a Holm-adjusted test says so."""
+def pairwise_arms(outcomes: dict[str, dict[str, bool]] | dict[str, dict[str, float]], confidence: float = 0.95,
+                  test: str = "exact McNemar") -> tuple[list[ArmPair], str]:
+    """Every pair of arms on the items all of them were evaluated on (arm -> task id -> success, or success
+    rate over seeds and attempts), and a ranking sentence that orders arms only where a Holm-adjusted test
+    says so. On rates the same exact binomial test on the items where the arms differ is the sign test."""
     arms = list(outcomes)
     items = sorted(set.intersection(*(set(o) for o in outcomes.values()))) if outcomes else []
     raw = []
     for i, first in enumerate(arms):
         for second in arms[i + 1:]:
             a, b = [outcomes[first][t] for t in items], [outcomes[second][t] for t in items]
-            only_first = sum(1 for x, y in zip(a, b, strict=True) if x and not y)
-            only_second = sum(1 for x, y in zip(a, b, strict=True) if y and not x)
-            raw.append((first, second, sum(a), sum(b), only_first, only_second,
+            only_first = sum(1 for x, y in zip(a, b, strict=True) if x > y)
+            only_second = sum(1 for x, y in zip(a, b, strict=True) if y > x)
+            raw.append((first, second, round(sum(a), 4), round(sum(b), 4), only_first, only_second,
                         mcnemar_exact(only_first, only_second)))
     adjusted = holm([r[-1] for r in raw])
     alpha = 1 - confidence
@@ -211,7 +214,7 @@ def pairwise_arms(outcomes: dict[str, dict[str, bool]], confidence: float = 0.95
         sentence = "one arm: nothing to rank"
     elif not better:
         sentence = (f"no stack is distinguishable from another on these {len(items)} items ({len(pairs)} pairs, "
-                    f"exact McNemar, Holm-adjusted at {confidence:.0%})")
+                    f"{test}, Holm-adjusted at {confidence:.0%})")
     else:
         sentence = "; ".join(f"{pair.verdict.removesuffix(' better')} > "
                              f"{pair.second if pair.verdict.startswith(pair.first) else pair.first} "
