@@ -66,10 +66,12 @@ def reference(family, item, result: dict):
 
 
 def assert_crash_mid_batch_loses_nothing(env: StackEnvironment, tmp_path: Path, families=None,
-                                         kill_after: int = 5) -> RolloutResponse:
+                                         kill_after: int = 5, channel: str | None = None) -> list[dict]:
     """The stack's rollout service (through the engine, as an arm runs it) with the environment server
     SIGKILLed once `kill_after` episodes started: every episode comes back completed with the
-    reference score, some on a second attempt."""
+    reference score, some on a second attempt; with `channel`, also everything assert_scripted_results
+    checks (components, both outcomes per family, every call attributed through that channel).
+    Returns the results as dicts."""
     episodes, cases = scripted_episodes(families)
     service = LocalEngine().start_service(env, StageRequest(
         run_id="t", stack=env.manifest.name, stage="serve", plan=load_plan(PLAN), out_dir=str(tmp_path)),
@@ -82,6 +84,7 @@ def assert_crash_mid_batch_loses_nothing(env: StackEnvironment, tmp_path: Path, 
                                      fault=FaultSpec(kill_environment_after_started=kill_after))
             response = msgspec.convert(post_json(service.url + "/rollouts", msgspec.to_builtins(request),
                                                  timeout=600), RolloutResponse)
+            calls = list(policy.calls)
     finally:
         assert service.stop() == 0
     assert response.faults_injected == 1 and response.environment_restarts >= 1
@@ -92,7 +95,10 @@ def assert_crash_mid_batch_loses_nothing(env: StackEnvironment, tmp_path: Path, 
         family, item, case = cases[result.episode_id]
         score = reference(family, item, msgspec.to_builtins(result))
         assert result.reward == score.reward and result.success is case["expected_success"]
-    return response
+    results = [msgspec.to_builtins(result) for result in response.results]
+    if channel is not None:
+        assert_scripted_results(results, cases, calls, channel)
+    return results
 
 
 # Runs in the stack environment: each episode through the backend's run_episode, as the rollout service does.

@@ -26,7 +26,6 @@ from stack_checks import (
     SAMPLING,
     assert_crash_mid_batch_loses_nothing,
     assert_only_its_own_upstream,
-    assert_scripted_results,
     assert_service_stage,
     drive_episodes,
     installed_packages,
@@ -51,23 +50,15 @@ def test_environment_has_agentlightning_and_verl_and_no_other_stack(env):
 BACKEND = "runner_stack_lightning_verl.backend:LightningBackend"
 
 
-def test_scripted_episodes_score_as_the_reference(env):
-    episodes, cases = scripted_episodes()
-    with ScriptedPolicyServer({e: c[2]["turns"] for e, c in cases.items()}) as policy:
-        results = drive_episodes(env, BACKEND, policy.base_url, episodes, model=policy.model)
-        calls = list(policy.calls)
-    assert_scripted_results(results, cases, calls, "path")
-    # The scripted policy returns no token ids: nothing captured, the trainer would use the server's log.
-    assert all(r["captured_calls"] is None for r in results)
-
-
 def test_service_stage_through_the_engine(env, tmp_path):
     assert_service_stage(env, tmp_path, timeout_s=180)
 
 
-def test_gateway_and_harnesses_killed_mid_batch_lose_no_episode(env, tmp_path):
-    # 21 episodes, 4 at a time; agl-server and the running harnesses are SIGKILLed when the 6th starts.
-    assert_crash_mid_batch_loses_nothing(env, tmp_path)
+def test_scripted_episodes_score_as_the_reference_through_a_crash(env, tmp_path):
+    # 21 scripted episodes, 4 at a time; agl-server and the running harnesses are SIGKILLed when the 6th starts.
+    results = assert_crash_mid_batch_loses_nothing(env, tmp_path, channel="path")
+    # The scripted policy returns no token ids: nothing captured, the trainer would use the server's log.
+    assert all(r["captured_calls"] is None for r in results)
 
 
 POLICY_SERVER = r"""
