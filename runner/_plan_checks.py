@@ -76,7 +76,7 @@ def _policy_problems(plan: Plan) -> Iterator[tuple[str, str]]:
             yield "policy.path", "the checkpoint cannot be used: " + "; ".join(problems)
         return  # a tiny recipe left beside kind: path is not used
     for field in ("path", "sha256"):
-        if getattr(spec, field) is not None:
+        if getattr(spec, field) is not None and plan.plan_id is None:  # a frozen plan (plan.json) names its build
             yield f"policy.{field}", "given with policy.kind 'tiny', which builds its own weights; use kind: path"
     try:
         recipe = msgspec.convert(spec.tiny or {}, TinyRecipe)

@@ -77,3 +77,17 @@ def test_a_broken_file_is_one_line_naming_it(tmp_path, case):
     env = {"RUNNER_STACKS_DIR": str(tmp_path / "stacks")} if (tmp_path / "stacks").is_dir() else {}
     message = run_cli([fill(arg, tmp_path, tmp_path) for arg in case["args"]], env)
     assert case["error"] in message, message
+
+
+def test_a_frozen_plan_with_its_tiny_policy_build_loads(tmp_path):
+    """plan.json, as a Slurm job reads it: kind tiny with the build's path and sha256 filled in, plan_id set."""
+    import msgspec
+    from runner_contracts import freeze_plan, write_record
+
+    from runner.api import load_plan
+
+    plan = load_plan(PLAN)
+    frozen = freeze_plan(msgspec.structs.replace(plan, policy=msgspec.structs.replace(
+        plan.policy, path=str(tmp_path), sha256="0" * 64)))
+    write_record(tmp_path / "plan.json", frozen)
+    assert load_plan(tmp_path / "plan.json").policy.sha256 == "0" * 64
