@@ -50,15 +50,20 @@ def toml_line(text: str, field: str) -> int | None:
     return None if header is None else header + 1
 
 
-def read_toml(path: Path, record_type: type[T], what: str = "file") -> T:
-    """The TOML file as `record_type` (a msgspec Struct or dataclass)."""
+def load_toml(path: Path, what: str = "file") -> tuple[str, dict[str, Any]]:
+    """The file's text and its TOML table; a syntax error names the line."""
     text = read_text(path, what)
     try:
-        data: dict[str, Any] = tomllib.loads(text)
+        return text, tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         reason, _, position = str(error).partition(" (at line ")
         where = f"{path}:{position.split(',')[0]}" if position else str(path)
         raise UserError(f"{where}: not valid TOML: {reason}") from None
+
+
+def read_toml(path: Path, record_type: type[T], what: str = "file") -> T:
+    """The TOML file as `record_type` (a msgspec Struct or dataclass)."""
+    text, data = load_toml(path, what)
     return convert(data, record_type, path, text)
 
 

@@ -40,11 +40,10 @@ def redact_file(path: Path) -> None:
     """Rewrites a log the host did not write itself (a job's output) without its secrets, if it has any."""
     if not path.is_file():
         return
-    data = path.read_bytes()
-    values = [value.encode() for value in secret_values()]
-    if not any(value in data for value in values) and not URL_CREDENTIALS.search(data.decode("utf-8", "replace")):
-        return
-    write_atomic(path, redact(data.decode("utf-8", "replace")).encode())
+    text = path.read_bytes().decode("utf-8", "replace")
+    redacted = redact(text)
+    if redacted != text:
+        write_atomic(path, redacted.encode())
 
 
 def write_redacted(path: Path, text: str) -> Path:

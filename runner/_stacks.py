@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from ._errors import UserError
-from ._files import read_text, read_toml, toml_line
+from ._files import convert, load_toml, read_text, toml_line
 from ._paths import stacks_dir
 
 
@@ -145,9 +145,10 @@ class _ManifestFile(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def load_manifest(path: Path) -> StackManifest:
-    data = read_toml(path, _ManifestFile, "stack manifest")
+    text, table = load_toml(path, "stack manifest")
+    data = convert(table, _ManifestFile, path, text)
     if data.kind == "environment" and not data.trainer:
-        raise UserError(f"{path}:{toml_line(read_text(path), 'kind')}: field trainer: an environment stack must "
+        raise UserError(f"{path}:{toml_line(text, 'kind')}: field trainer: an environment stack must "
                         "name the trainer stack that drives it")
     folder = path.parent
     return StackManifest(

@@ -13,7 +13,6 @@ import shutil
 import string
 import subprocess
 import sys
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 from runner_contracts import Plan, write_atomic
 
 from .._errors import EngineError, UserError
-from .._files import convert, read_text, read_toml, toml_line
+from .._files import convert, load_toml, toml_line
 from .._secrets import is_secret
 from .._paths import PROJECT_ROOT
 
@@ -65,11 +64,7 @@ _PROFILE_KEYS = {f for f in ClusterProfile.__dataclass_fields__}
 def load_profile(path: Path | None) -> ClusterProfile:
     if path is None:
         return ClusterProfile()
-    text = read_text(path, "cluster profile")
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError:
-        return read_toml(path, ClusterProfile)  # says where
+    text, data = load_toml(path, "cluster profile")
     unknown = sorted(set(data) - _PROFILE_KEYS)
     if unknown:
         raise UserError(f"{path}:{toml_line(text, unknown[0])}: unknown key(s) {', '.join(unknown)}; a cluster "
