@@ -20,6 +20,7 @@ from runner_contracts import (
 from runner_kit.http import post_json
 from runner_kit.scripted_policy import ScriptedPolicyServer
 
+from runner._engines.jobs import last_error_lines
 from runner.api import LocalEngine, StackEnvironment, all_stacks, load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +87,9 @@ def assert_crash_mid_batch_loses_nothing(env: StackEnvironment, tmp_path: Path, 
                                                  timeout=600), RolloutResponse)
             calls = list(policy.calls)
     finally:
-        assert service.stop() == 0
+        code = service.stop()
+    assert code == 0, (f"the rollout service exited {code} on SIGTERM: "
+                       f"{last_error_lines(tmp_path / 'stderr.log', lines=12)}")
     assert response.faults_injected == 1 and response.environment_restarts >= 1
     assert [r.episode_id for r in response.results] == [e.episode_id for e in episodes]
     assert any(r.attempts > 1 for r in response.results)

@@ -22,6 +22,7 @@ import importlib.metadata
 import os
 import platform
 import signal
+import sys
 import threading
 import time
 import urllib.parse
@@ -455,4 +456,7 @@ def _serve(backend: RolloutBackend, request: StageRequest) -> StageResult:
         write_atomic(Path(request.out_dir) / SERVICE_FILE,
                      msgspec.json.encode({"url": service.url, "pid": os.getpid(), "stack": backend.stack}))
         stop.wait()
+        print(f"rollout service: stop signal, stopping {backend.stack}", file=sys.stderr, flush=True)
+        stopping = time.monotonic()
+    print(f"rollout service: stopped in {time.monotonic() - stopping:.1f} s", file=sys.stderr, flush=True)
     return StageResult(stage="serve")
