@@ -5,6 +5,13 @@ task server and the rollout service. No upstream stack is involved (those have t
 
 from __future__ import annotations
 
+import json
+import re
+import socketserver
+import threading
+import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +33,7 @@ from runner_kit.continuity import chain_calls
 from runner_kit.http import HttpError, get_json, post_json
 from runner_kit.policy import openai_tools, parse_tool_calls
 from runner_kit.reference_backend import ReferenceBackend
-from runner_kit.rollout import BatchRunner, PolicyEndpoint, RolloutService
+from runner_kit.rollout import BatchRunner, EnvironmentDown, PolicyEndpoint, RolloutService, post_to_environment
 from runner_kit.scripted_policy import ScriptedPolicyServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,3 +186,150 @@ def test_comparison_refuses_arms_of_different_plans(tmp_path):
         write_record(tmp_path / "arms" / arm / "plan.json", arm_plan)
     with pytest.raises(UserError, match="different plans"):
         write_comparison(tmp_path, ["a", "b"])
+
+
+class _MisbehavingFront(socketserver.ThreadingTCPServer):
+    """A stand-in for a broken upstream environment server, on 127.0.0.1 in front of the reference task
+    server: `silent` accepts, reads and never answers; `partial` sends the headers and a few bytes of a
+    reply, then stalls (a half-open connection); `close` drops the connection unanswered; `slow` answers
+    through the task server after a delay."""
+
+    daemon_threads = True
+
+    def __init__(self, mode: str, upstream: str):
+        self.mode, self.upstream, self.released = mode, upstream, threading.Event()
+        super().__init__(("127.0.0.1", 0), _FrontHandler)
+        threading.Thread(target=self.serve_forever, args=(0.05,), daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def stop(self) -> None:
+        self.released.set()  # stalled handlers return and their connections close
+        self.shutdown()
+        self.server_close()
+
+
+class _FrontHandler(socketserver.StreamRequestHandler):
+    def handle(self) -> None:
+        front: _MisbehavingFront = self.server  # type: ignore[assignment]
+        head = b"".join(iter(self.rfile.readline, b"\r\n"))
+        length = re.search(rb"content-length: *(\d+)", head, re.I)
+        body = self.rfile.read(int(length.group(1)) if length else 0)
+        if front.mode == "close":
+            return
+        if front.mode == "silent":
+            front.released.wait()
+        elif front.mode == "partial":
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 900\r\n\r\n{\"re")
+            self.wfile.flush()
+            front.released.wait()
+        else:
+            time.sleep(0.2)
+            path = head.split(b" ")[1].decode()
+            reply = json.dumps(post_json(front.upstream + path, json.loads(body))).encode()
+            self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                             b"Connection: close\r\n\r\n%s" % (len(reply), reply))
+
+
+class _MisbehavingEnvironment(ReferenceBackend):
+    """The reference backend whose environment calls go through a _MisbehavingFront for its first
+    `bad_starts` starts (then straight to the task server)."""
+
+    def __init__(self, mode: str, bad_starts: int):
+        super().__init__()
+        self.mode, self.bad_starts, self.starts = mode, bad_starts, 0
+        self.front: _MisbehavingFront | None = None
+
+    def start(self) -> None:
+        super().start()
+        self._started()
+
+    def restart_environment(self) -> None:
+        """As ServerBackend does it: a no-op while the environment answers, else stop and start."""
+        if self.task_server is not None and self._answers():
+            return
+        self.stop()
+        self.start()
+
+    def _answers(self) -> bool:
+        url = self.front.url if self.front is not None else self.task_server.server.url
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1).close()
+        except urllib.error.HTTPError:
+            return True  # it answered (404: the task server has no /health)
+        except OSError:
+            return False
+        return True
+
+    def _started(self) -> None:
+        self.starts += 1
+        if self.starts <= self.bad_starts:
+            self.front = _MisbehavingFront(self.mode, self.task_server.server.url)
+
+    def stop(self) -> None:
+        front, self.front = self.front, None
+        if front is not None:
+            front.stop()
+        super().stop()
+
+    def _env(self, path: str, body: dict) -> dict:
+        if self.starts > self.bad_starts:
+            return super()._env(path, body)
+        front = self.front
+        if front is None:
+            raise EnvironmentDown("the environment is not running")
+        return post_to_environment(front.url + path, body)
+
+
+def _run_against(backend: ReferenceBackend, **request) -> tuple[RolloutResponse, dict[str, bool]]:
+    episodes, scripts, expected = _scripted_batch("calc-tool", n=1)
+    backend.start()
+    try:
+        with ScriptedPolicyServer(scripts) as policy:
+            return BatchRunner(backend).run(RolloutRequest(
+                episodes=episodes, policy_base_url=policy.base_url, sampling=SamplingSpec(), concurrency=2,
+                **request)), expected
+    finally:
+        backend.stop()
+
+
+@pytest.mark.parametrize("mode", ["silent", "partial", "close"])
+def test_a_hung_or_broken_environment_is_restarted_and_no_episode_is_lost(mode):
+    response, expected = _run_against(_MisbehavingEnvironment(mode, bad_starts=1), max_attempts=3,
+                                      episode_timeout_s=1.0)
+    assert [r.episode_id for r in response.results] == list(expected)
+    assert all(r.status == "completed" and r.success == expected[r.episode_id] for r in response.results), \
+        [r.error for r in response.results]
+    assert response.environment_restarts >= 1 and any(r.attempts > 1 for r in response.results)
+
+
+TIMED_OUT = "no result after 0.5 s (episode_timeout_s)"
+# The connection failed (refused, reset, closed, cut off mid-reply), or came while a restart was under way.
+DOWN = (" unreachable: ", "the environment is not running")
+
+
+@pytest.mark.parametrize("mode", ["silent", "partial", "close"])
+def test_an_environment_that_never_recovers_fails_every_episode_with_the_cause(mode):
+    response, expected = _run_against(_MisbehavingEnvironment(mode, bad_starts=10**6), max_attempts=2,
+                                      episode_timeout_s=0.5)
+    assert [r.episode_id for r in response.results] == list(expected)
+    timeouts = 0
+    for result in response.results:
+        assert result.status == "failed" and result.attempts == 2, result
+        attempts = result.error.message.split("; ")
+        assert [a.split(":")[0] for a in attempts] == ["attempt 1", "attempt 2"], result.error.message
+        # Every attempt names its cause; a dropped connection is also what an episode sees whose server
+        # was killed because another episode timed out.
+        assert all(TIMED_OUT in a or any(d in a for d in DOWN) for a in attempts), result.error.message
+        timeouts += sum(TIMED_OUT in a for a in attempts)
+        assert result.error.kind == ("environment-timeout" if TIMED_OUT in attempts[-1] else "environment-down")
+    assert (timeouts > 0) == (mode != "close")
+
+
+def test_a_slow_environment_within_the_timeout_scores_as_the_reference():
+    response, expected = _run_against(_MisbehavingEnvironment("slow", bad_starts=1), episode_timeout_s=60)
+    assert {r.episode_id: (r.status, r.success, r.attempts) for r in response.results} == {
+        episode_id: ("completed", success, 1) for episode_id, success in expected.items()}
+    assert response.environment_restarts == 0

@@ -409,6 +409,9 @@ class RolloutRequest(Record, kw_only=True):
     sampling: SamplingSpec
     concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
     max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 2
+    # An attempt with no result after this long is abandoned: the environment server is killed and
+    # restarted (a hung server unblocks no other way) and the episode retried, or failed after max_attempts.
+    episode_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
     fault: FaultSpec | None = None
 
 

@@ -11,8 +11,10 @@ handles the stages an environment stack runs itself:
   service.json {url, pid} when ready and stops on SIGTERM.
 
 POST /rollouts takes a RolloutRequest and answers a RolloutResponse with exactly one EpisodeResult per
-requested episode: an episode whose environment went down (EnvironmentDown) is retried after a restart
-up to max_attempts, then reported as failed; none is dropped. See docs/rollout-service.md.
+requested episode: an episode whose environment went down (EnvironmentDown), or that gave no result within
+episode_timeout_s (the environment is then killed first: a hung server may still pass its health check), is
+retried after a restart up to max_attempts, then reported as failed; none is dropped. See
+docs/rollout-service.md.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ SERVICE_FILE = "service.json"
 
 class EnvironmentDown(Exception):
     """The upstream environment server is unreachable or died during an episode (retryable)."""
+
+
+class EpisodeTimeout(EnvironmentDown):
+    """An attempt gave no result within the request's episode_timeout_s (a hung or stalled environment)."""
 
 
 def post_to_environment(url: str, body: Any, *, timeout: float = 30.0) -> Any:
@@ -267,15 +273,16 @@ class BatchRunner:
                 self.backend.kill_environment()
 
         def one(episode: EpisodeSpec) -> EpisodeResult:
-            return self._run_with_retries(episode, policy, request.max_attempts, on_start, counter, counter_lock)
+            return self._run_with_retries(episode, policy, request, on_start, counter, counter_lock)
 
         with ThreadPoolExecutor(max_workers=request.concurrency, thread_name_prefix="episode") as pool:
             results = list(pool.map(one, request.episodes))
         return RolloutResponse(stack=self.backend.stack, results=results, environment_restarts=counter["restarts"],
                                faults_injected=counter["faults"], seconds=round(time.monotonic() - started, 3))
 
-    def _run_with_retries(self, episode, policy, max_attempts, on_start, counter, counter_lock) -> EpisodeResult:
+    def _run_with_retries(self, episode, policy, request, on_start, counter, counter_lock) -> EpisodeResult:
         errors: list[str] = []
+        max_attempts, timed_out = request.max_attempts, False
         for attempt in range(1, max_attempts + 1):
             generation = self._generation
             began = time.monotonic()
@@ -285,13 +292,16 @@ class BatchRunner:
                 # A retry runs under its own wire id, so the policy server keeps its calls apart from the
                 # abandoned attempt's; the result is reported under the episode's id.
                 wire = msgspec.structs.replace(episode, episode_id=attempt_id(episode.episode_id, attempt))
-                result = self.backend.run_episode(wire, policy)
+                result = self._attempt(wire, policy, request.episode_timeout_s)
                 return msgspec.structs.replace(result, episode_id=episode.episode_id, attempts=attempt,
                                                seconds=round(time.monotonic() - began, 3))
             except EnvironmentDown as error:
                 errors.append(f"attempt {attempt}: {error}")
+                timed_out = isinstance(error, EpisodeTimeout)
                 with self._restart_lock:
                     if self._generation == generation:  # the first failure of this generation restarts
+                        if timed_out:  # a hung server may still answer its health check
+                            self.backend.kill_environment()
                         self.backend.restart_environment()
                         self._generation += 1
                         with counter_lock:
@@ -303,7 +313,30 @@ class BatchRunner:
                                      seconds=round(time.monotonic() - began, 3))
         return EpisodeResult(episode_id=episode.episode_id, task_id=episode.task_id, status="failed", outcome="error",
                              attempts=max_attempts,
-                             error=ErrorInfo(kind="environment-down", message="; ".join(errors)))
+                             error=ErrorInfo(kind="environment-timeout" if timed_out else "environment-down",
+                                             message="; ".join(errors)))
+
+    def _attempt(self, episode: EpisodeSpec, policy: PolicyEndpoint, timeout_s: float) -> EpisodeResult:
+        """backend.run_episode on a thread of its own, waited for at most `timeout_s`. An abandoned attempt's
+        thread ends when the environment it waits on is killed; its late result is dropped."""
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                outcome["result"] = self.backend.run_episode(episode, policy)
+            except BaseException as error:  # noqa: BLE001 - re-raised on the waiting thread
+                outcome["error"] = error
+            finally:
+                done.set()
+
+        threading.Thread(target=target, name=f"attempt {episode.episode_id}", daemon=True).start()
+        if not done.wait(timeout_s):
+            raise EpisodeTimeout(f"no result after {timeout_s:g} s (episode_timeout_s): the environment hung "
+                                 f"or stalled")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["result"]
 
 
 # --- stages ------------------------------------------------------------------------------------------
