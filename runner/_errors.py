@@ -7,3 +7,13 @@ class UserError(Exception):
 
 class EngineError(Exception):
     """An engine could not build or run a stack environment."""
+
+
+class DiskFull(EngineError):
+    """The run directory's file system ran out of space (or quota) while runner or an adapter wrote to it."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+    import errno
+
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -33,6 +33,15 @@ def run(request):
         raise ValueError("the adapter refused: bad option")
     if request.plan.name == "exit-without-result":  # a misbehaving stack
         os._exit(0)
+    if request.plan.name == "fill-the-disk" and (Path(request.policy_dir).parent / "fill-the-disk").exists():
+        with open("trajectories.jsonl.partial", "wb", buffering=0) as out:  # until not one byte is left
+            for size in (1 << 16, 1 << 10, 1):
+                try:
+                    while True:
+                        out.write(b"x" * size)
+                except OSError:
+                    pass
+        raise OSError(28, "No space left on device", "trajectories.jsonl.partial")
     if request.stage == "probe":
         import importlib.metadata, platform
         from runner_contracts import EnvironmentInfo
@@ -247,3 +256,58 @@ def test_an_adapter_that_exits_0_without_a_result_fails_its_stage(stack, engine,
     evidence = json.loads((tmp_path / "run" / "stages" / "probe" / "evidence.json").read_text())
     assert evidence["status"] == "error" and evidence["error"]["kind"] == "missing-result"
     assert "exited 0 without writing" in evidence["error"]["message"] and "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs mounted for the test (needs root in this mount namespace); unmounted afterwards."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({made.stderr.strip()}): the full-disk test needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_during_a_stage_is_one_line_keeps_every_file_and_resumes(stack, engine, tmp_path, small_disk):
+    import subprocess
+    import sys
+
+    engine.prepare(stack)
+    policy = stand_in_checkpoint(tmp_path / "policy")
+    (tmp_path / "fill-the-disk").touch()
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.read_text().replace("name: calc-tool-cpu", "name: fill-the-disk").replace(
+        "  kind: tiny ", f"  path: {policy}\n  kind: path "))
+    run_dir = small_disk / "run"
+
+    def qualify(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(Path(sys.executable).parent / "runner"), "qualify", "--stack", "echo", "--plan",
+                               str(plan), "--stages", "probe", "--run-dir", str(run_dir), *extra],
+                              capture_output=True, text=True,
+                              env={**os.environ, "RUNNER_STACKS_DIR": str(stack.folder.parent),
+                                   "RUNNER_CACHE_DIR": str(engine.root.parent)})
+
+    full = qualify()
+    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr
+    assert "no space left on the run directory's disk" in full.stderr and "--resume" in full.stderr, full.stderr
+    stage = run_dir / "stages" / "probe"
+    assert (stage / "DISK-FULL").is_file()
+    assert json.loads((run_dir / "plan.json").read_text())["name"] == "fill-the-disk"  # written before: intact
+    kept = (stage / "trajectories.jsonl.partial").stat().st_size
+    assert kept > 3_000_000  # the adapter's partial output is kept, not cleaned up
+    assert not list(stage.glob(".*.tmp"))  # no half-written twin of a file runner tried to write
+
+    # Space freed (the tmpfs grown, as a user would clean up elsewhere): --resume sets the stage aside.
+    (tmp_path / "fill-the-disk").unlink()
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    resumed = qualify("--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    aside = run_dir / "stages" / "probe.attempt-1"
+    assert (aside / "trajectories.jsonl.partial").stat().st_size == kept
+    evidence = json.loads((aside / "evidence.json").read_text())
+    assert evidence["error"]["kind"] == "interrupted" and "the disk filled up" in evidence["error"]["message"]
+    assert json.loads((stage / "evidence.json").read_text())["status"] == "passed"

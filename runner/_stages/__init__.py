@@ -4,13 +4,21 @@ first stage that does not pass stops the arm."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from runner_contracts import ErrorInfo, Evidence, RecordError, write_record
 
-from .._errors import EngineError
+from .._errors import DiskFull, EngineError, is_disk_full
 from .arm import TRIAL_STAGES, AdapterFailed, Arm, StageOutput, default_run_dir, now, prepare_arm, trial_dir
-from .evidence import earlier_evidence, mark_interrupted, set_aside, write_skipped, write_stage_evidence
+from .evidence import (
+    DISK_FULL_MARK,
+    earlier_evidence,
+    mark_interrupted,
+    set_aside,
+    write_skipped,
+    write_stage_evidence,
+)
 from .evaluate import stage_evaluate
 from .probe import stage_probe
 from .resume import stage_resume
@@ -44,13 +52,29 @@ def run_stage(arm: Arm, stage: str) -> Evidence:
         output = StageOutput(error=ErrorInfo(kind="engine", message=str(error)))
     except FileNotFoundError as error:
         output = StageOutput(error=ErrorInfo(kind="missing-output", message=f"adapter did not write {error.filename}"))
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        output = StageOutput(error=ErrorInfo(kind="disk-full", message=f"{error.filename}: {error.strerror}"))
     except BaseException:
         # SIGTERM (a Slurm signal before the time limit, a preemption), Ctrl-C: the stage's files stay,
         # marked as interrupted; `runner qualify --resume` sets them aside and runs the stage again.
         mark_interrupted(arm, stage, arm.stage_dir(stage), "the runner was stopped during this stage",
                          started=started, environment=arm.environment)
         raise
-    return write_stage_evidence(arm, stage, output, started)
+    try:
+        return write_stage_evidence(arm, stage, output, started)
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        # No room for the evidence: an empty marker needs no data blocks. The files stay as they are.
+        folder = arm.stage_dir(stage)
+        with contextlib.suppress(OSError):
+            (folder / DISK_FULL_MARK).touch()
+        raise DiskFull(f"no space left on the run directory's disk ({error.filename}: {error.strerror}) in "
+                       f"{stage} of {arm.manifest.name}: every file written so far is kept, and {folder} is marked "
+                       f"{DISK_FULL_MARK}; free space, then run again with --resume (it sets the stage aside and "
+                       f"reruns it)") from None
 
 
 def run_arm(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | None = None, *,

@@ -85,6 +85,9 @@ def earlier_evidence(arm: Arm, stage: str) -> Evidence | None:
     return None
 
 
+DISK_FULL_MARK = "DISK-FULL"  # left in a stage folder whose evidence could not be written for lack of space
+
+
 def set_aside(arm: Arm, stage: str) -> Path:
     """Moves an interrupted stage's folder to <stage>.attempt-<n> and marks it: nothing it wrote is lost."""
     folder = arm.stage_dir(stage)
@@ -92,6 +95,6 @@ def set_aside(arm: Arm, stage: str) -> Path:
     target = folder.with_name(f"{stage}.attempt-{number}")
     folder.rename(target)
     if not (target / "evidence.json").is_file():
-        mark_interrupted(arm, stage, target, f"the run stopped during this stage; set aside by a resumed run as "
-                                             f"{target.name}")
+        why = "the disk filled up" if (target / DISK_FULL_MARK).exists() else "the run stopped"
+        mark_interrupted(arm, stage, target, f"{why} during this stage; set aside by a resumed run as {target.name}")
     return target

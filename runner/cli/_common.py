@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from .._console import console, err_console
-from .._errors import EngineError, UserError
+from .._errors import EngineError, UserError, is_disk_full
 
 __all__ = ["cli_errors", "console", "err_console", "print_json", "writable_run_dir"]
 
@@ -29,8 +29,18 @@ def cli_errors() -> Iterator[None]:
     try:
         yield
     except (UserError, EngineError) as error:
-        err_console.print(f"[red]error:[/] {escape(str(error))}", highlight=False, markup=True, soft_wrap=True)
+        _print_error(str(error))
         raise typer.Exit(2) from None
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        _print_error(f"no space left on the disk for {error.filename}: every file written before is kept; free "
+                     f"space and run the command again (with --resume for a run)")
+        raise typer.Exit(2) from None
+
+
+def _print_error(message: str) -> None:
+    err_console.print(f"[red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
 
 
 def writable_run_dir(path: Path) -> Path:
