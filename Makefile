@@ -23,18 +23,20 @@ $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
 	touch $(TEST_STAMP)
 
-# Debian packages. The demo needs Python 3.11 with venv (host and stacks) and nothing else; the suite also
+# Debian packages. The demo needs Python 3.11 with venv (host and stacks) and bubblewrap (the local
+# engine's sandbox; without it jobs run unsandboxed and the evidence says so); the suite also
 # needs Chromium (the HTML report test), Docker Engine, Podman (runc) and debootstrap (the container
 # engines' tests start their own daemons), Slurm and munge (the cluster tests start a one-node cluster).
 # Each target only runs apt when something it needs is missing.
-DEMO_PACKAGES = python3.11 python3.11-venv
+DEMO_PACKAGES = python3.11 python3.11-venv bubblewrap
 TEST_PACKAGES = $(DEMO_PACKAGES) chromium docker.io podman runc debootstrap slurm-wlm munge
 python-deps:
-	@if ! command -v $(PYTHON) >/dev/null || ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null; then \
+	@if ! command -v $(PYTHON) >/dev/null || ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null \
+	    || ! command -v bwrap >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEMO_PACKAGES); fi
 system-deps:
 	@if ! command -v $(PYTHON) >/dev/null || ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null \
-	    || ! command -v chromium >/dev/null || ! command -v dockerd >/dev/null || ! command -v podman >/dev/null \
+	    || ! command -v bwrap >/dev/null || ! command -v chromium >/dev/null || ! command -v dockerd >/dev/null || ! command -v podman >/dev/null \
 	    || ! command -v debootstrap >/dev/null || ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(TEST_PACKAGES); fi
 

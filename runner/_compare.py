@@ -72,6 +72,7 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
             "image": environment.get("image"),
             "image_digest": environment.get("image_digest"),
             "reach": probe.get("reach"),
+            "sandbox": probe.get("sandbox"),
             "foreign_packages_absent": _gate(evidence, "probe:no-foreign-packages"),
         },
         "time_to_first_reproducible_update_s": data.get("time_to_first_reproducible_update_s"),
@@ -166,6 +167,9 @@ def _reach(isolation: dict[str, Any]) -> str:
     inputs = "" if "write_inputs" not in reach else \
         ("; inputs writable" if reach["write_inputs"] else "; inputs read-only")
     image = f" {isolation['image']}" if isolation.get("image") else ""
+    sandbox = isolation.get("sandbox") or ""
+    if sandbox:
+        image = " without a sandbox" if sandbox.startswith("none") else f" in {sandbox.split(':')[0]}"
     return f"{isolation.get('engine')} engine{image}: {network}; {files}{inputs}"
 
 

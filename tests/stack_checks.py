@@ -74,7 +74,8 @@ def assert_crash_mid_batch_loses_nothing(env: StackEnvironment, tmp_path: Path, 
     checks (components, both outcomes per family, every call attributed through that channel).
     Returns the results as dicts."""
     episodes, cases = scripted_episodes(families)
-    service = LocalEngine().start_service(env, StageRequest(
+    # On the host's network: this test's scripted policy server and its POST /rollouts are on the host.
+    service = LocalEngine(host_network=True).start_service(env, StageRequest(
         run_id="t", stack=env.manifest.name, stage="serve", plan=load_plan(PLAN), out_dir=str(tmp_path)),
         ready_timeout_s=120)
     try:

@@ -117,7 +117,6 @@ def test_container_isolation_blocks_network_and_input_writes(docker_run):
 
 def test_docker_trajectories_are_token_identical_to_the_local_engine(docker_run, local_comparison):
     local = local_comparison[0] / "arms" / "trl"  # the session comparison's trl arm: local engine, same plan
-    assert stage_evidence(local, "probe")["metrics"]["reach"]["write_inputs"] is True  # the local engine isolates nothing
     in_docker, on_host = rollout_tokens(docker_run), rollout_tokens(local)
     assert len(in_docker) == 32 and in_docker == on_host
 

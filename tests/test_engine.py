@@ -11,6 +11,7 @@ import os
 import textwrap
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import gone, stand_in_checkpoint, wait_until
 from runner_contracts import StageRequest, StageResult, read_record
@@ -31,9 +32,50 @@ def run(request):
         time.sleep(600)
     if request.stage == "fail":
         raise ValueError("the adapter refused: bad option")
+    if request.stage == "serve":  # a service on 127.0.0.1 that stops cleanly on SIGTERM
+        import signal, socket, threading
+        server = socket.create_server(("127.0.0.1", 0))
+        threading.Thread(target=lambda: [server.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        Path("service.json").write_text(json.dumps({"url": f"http://127.0.0.1:{server.getsockname()[1]}"}))
+        stop.wait()
+        return StageResult(stage="serve")
+    if request.stage == "reach":  # what a job can reach: the network, files outside its folder, its inputs
+        import socket, tempfile
+
+        def connects(host, port):
+            try:
+                socket.create_connection((host, port), timeout=3).close()
+                return True
+            except OSError:
+                return False
+
+        def try_write(path):
+            try:
+                path.write_text("out")
+                return True
+            except OSError:
+                return False
+
+        def writes(folder):
+            try:
+                tempfile.NamedTemporaryFile(dir=folder).close()
+                return True
+            except OSError:
+                return False
+
+        peer = request.options.get("peer_port")
+        if writes("/tmp") and not os.path.samefile("/tmp", os.environ["TMPDIR"]):
+            raise RuntimeError("/tmp is the host's, writable")
+        return StageResult(stage="reach", metrics={
+            "outbound": connects("1.1.1.1", 443), "peer": peer is not None and connects("127.0.0.1", peer),
+            "var_tmp": writes("/var/tmp"), "policy": writes(request.policy_dir), "own_folder": writes("."),
+            "tmpdir": writes(os.environ["TMPDIR"]), "home": writes(os.environ["HOME"]),
+            "escaped": try_write(Path.cwd().parent / f"escaped-{Path.cwd().name}")})
     if request.plan.name == "exit-without-result":  # a misbehaving stack
         os._exit(0)
-    if request.plan.name == "fill-the-disk" and (Path(request.policy_dir).parent / "fill-the-disk").exists():
+    if request.plan.name == "fill-the-disk" and (Path(request.policy_dir) / "fill-the-disk").exists():
         with open("trajectories.jsonl.partial", "wb", buffering=0) as out:  # until not one byte is left
             for size in (1 << 16, 1 << 10, 1):
                 try:
@@ -278,7 +320,7 @@ def test_a_full_disk_during_a_stage_is_one_line_keeps_every_file_and_resumes(sta
 
     engine.prepare(stack)
     policy = stand_in_checkpoint(tmp_path / "policy")
-    (tmp_path / "fill-the-disk").touch()
+    (policy / "fill-the-disk").touch()  # inside an input: the only host paths a sandboxed job sees
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.read_text().replace("name: calc-tool-cpu", "name: fill-the-disk").replace(
         "  kind: tiny ", f"  path: {policy}\n  kind: path "))
@@ -302,7 +344,7 @@ def test_a_full_disk_during_a_stage_is_one_line_keeps_every_file_and_resumes(sta
     assert not list(stage.glob(".*.tmp"))  # no half-written twin of a file runner tried to write
 
     # Space freed (the tmpfs grown, as a user would clean up elsewhere): --resume sets the stage aside.
-    (tmp_path / "fill-the-disk").unlink()
+    (policy / "fill-the-disk").unlink()
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     resumed = qualify("--resume")
     assert resumed.returncode == 0, resumed.stderr
@@ -311,3 +353,44 @@ def test_a_full_disk_during_a_stage_is_one_line_keeps_every_file_and_resumes(sta
     evidence = json.loads((aside / "evidence.json").read_text())
     assert evidence["error"]["kind"] == "interrupted" and "the disk filled up" in evidence["error"]["message"]
     assert json.loads((stage / "evidence.json").read_text())["status"] == "passed"
+
+
+def test_local_jobs_run_sandboxed_and_a_peer_shares_only_its_loopback(stack, engine, tmp_path):
+    from runner._engines.sandbox import local_sandbox
+
+    if local_sandbox().bwrap is None:
+        pytest.skip(f"no sandbox on this machine: {local_sandbox().why}")
+    env = engine.prepare(stack)
+    policy = stand_in_checkpoint(tmp_path / "policy")
+    service = engine.start_service(env, request("serve", tmp_path / "service"), ready_timeout_s=60)
+    try:
+        port = int(service.url.rsplit(":", 1)[1])
+        reached = {}
+        for name, peer in (("alone", None), ("with-peer", service)):
+            job = msgspec.structs.replace(request("reach", tmp_path / name), policy_dir=str(policy),
+                                          options={"peer_port": port})
+            assert engine.run(env, job, timeout_s=60, peer=peer).ok
+            reached[name] = read_record(tmp_path / name / "result.json", StageResult).metrics
+    finally:
+        assert service.stop() == 0  # a graceful stop reaches the job inside the sandbox: its own exit code
+    writable = {"own_folder": True, "tmpdir": True, "home": True}
+    for name, peer in (("alone", False), ("with-peer", True)):
+        escaped = reached[name].pop("escaped")
+        assert reached[name] == {"outbound": False, "peer": peer, "var_tmp": False, "policy": False, **writable}
+        # Each job's folder is its run directory here (no plan.json above it): a write beside it, where
+        # /tmp is the job's own, lands in the job's TMPDIR if anywhere, never on the host.
+        assert not (tmp_path / f"escaped-{name}").exists(), escaped
+
+
+def test_without_bubblewrap_jobs_run_as_plain_processes_and_say_so(monkeypatch):
+    from runner._engines import sandbox
+
+    sandbox.local_sandbox.cache_clear()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    try:
+        found = sandbox.local_sandbox()
+        assert found.bwrap is None
+        assert found.command(["true"], run_dir=Path("/r"), cwd=Path("/r"), tmp=Path("/t"), read_only=[]) == ["true"]
+        assert found.describe() == "none (jobs run as plain processes: bwrap not found; install the bubblewrap package)"
+    finally:
+        sandbox.local_sandbox.cache_clear()

@@ -153,24 +153,29 @@ def scrubbed_env(python_bin_dir: Path, home: Path, plan: Plan | None = None) -> 
     return env
 
 
-def _start_job(cmd: list[str], out_dir: Path, env: dict[str, str], stdout, stderr) -> tuple[subprocess.Popen, str]:
-    """Starts a job (the launcher's supervisor) in its own session, marked with a fresh token; it gets
-    SIGTERM, and so ends everything below it, if the runner dies."""
+def _end_with_the_runner() -> None:
+    die_with_parent(signal.SIGTERM)
+
+
+def _start_job(cmd: list[str], out_dir: Path, env: dict[str, str], stdout, stderr,
+               preexec: Callable[[], None] = _end_with_the_runner) -> tuple[subprocess.Popen, str]:
+    """Starts a job (the launcher's supervisor, or a sandbox around it) in its own session, marked with a
+    fresh token; by default it gets SIGTERM, and so ends everything below it, if the runner dies."""
     token = uuid.uuid4().hex
     process = subprocess.Popen(cmd, cwd=out_dir, env={**env, JOB_TOKEN_VAR: token}, stdout=stdout, stderr=stderr,
-                               stdin=subprocess.DEVNULL, start_new_session=True,
-                               preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                               stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
     return process, token
 
 
 def run_process(cmd: list[str], out_dir: Path, env: dict[str, str], *, timeout_s: float,
-                kill_when: Callable[[], bool] | None = None) -> RunOutcome:
+                kill_when: Callable[[], bool] | None = None,
+                preexec: Callable[[], None] = _end_with_the_runner) -> RunOutcome:
     """Runs one job in `out_dir` in its own process group, logs to files; SIGKILLs the group on timeout
     or when `kill_when()` turns true. Whatever the job started is ended with it."""
     stdout, stderr = out_dir / "stdout.log", out_dir / "stderr.log"
     started = time.monotonic()
     with open(stdout, "wb") as out, open(stderr, "wb") as err:
-        process, token = _start_job(cmd, out_dir, env, out, err)
+        process, token = _start_job(cmd, out_dir, env, out, err, preexec)
 
         def finished(step_s: float) -> bool:
             try:
@@ -228,11 +233,11 @@ def wait_for_service(out_dir: Path, alive: Callable[[], bool], stop: Callable[[]
 
 
 def start_process_service(cmd: list[str], out_dir: Path, env: dict[str, str], *, what: str,
-                          ready_timeout_s: float) -> ServiceHandle:
+                          ready_timeout_s: float, preexec: Callable[[], None] = _end_with_the_runner) -> ServiceHandle:
     """Starts a long-running job in its own process group and waits for the service.json it writes."""
     (out_dir / "service.json").unlink(missing_ok=True)
     with open(out_dir / "stdout.log", "wb") as stdout, open(out_dir / "stderr.log", "wb") as stderr:
-        process, token = _start_job(cmd, out_dir, env, stdout, stderr)
+        process, token = _start_job(cmd, out_dir, env, stdout, stderr, preexec)
     handle = ServiceHandle(process=process, out_dir=out_dir, url="", token=token)
     handle.url = wait_for_service(out_dir, handle.alive, handle.stop, what=what, ready_timeout_s=ready_timeout_s)
     return handle

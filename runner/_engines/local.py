@@ -31,12 +31,15 @@ from .jobs import (
     ServiceHandle,
     StackEnvironment,
     file_lock,
+    read_only_inputs,
+    run_dir_of,
     run_process,
     scrubbed_env,
     start_process_service,
     tree_hash,
     write_request,
 )
+from .sandbox import Sandbox, local_sandbox
 
 ENV_MARKER = ".runner-env.json"
 LOCAL_MARKER = ".runner-local.json"
@@ -72,9 +75,13 @@ class LocalEngine:
 
     name = "local"
 
-    def __init__(self, cache_root: Path | None = None, log: Callable[[str], None] = lambda message: None):
+    def __init__(self, cache_root: Path | None = None, log: Callable[[str], None] = lambda message: None, *,
+                 host_network: bool = False):
+        """`host_network`: jobs share the host's network namespace (for a caller on the host that talks to a
+        job's service itself, as the stack tests do); their files stay confined."""
         self.root = (cache_root or cache_dir()) / "envs"
         self.log = log
+        self.host_network = host_network
 
     def environment_key(self, manifest: StackManifest, python_version: str) -> str:
         digest = hashlib.sha256(manifest.lock_bytes())
@@ -124,19 +131,34 @@ class LocalEngine:
         return StackEnvironment(manifest=manifest, path=path, python_version=python_version,
                                 lock_sha256=manifest.lock_sha256)
 
+    @property
+    def sandbox(self) -> Sandbox:
+        return local_sandbox()
+
     def run(self, env: StackEnvironment, request: StageRequest, *, timeout_s: float,
             kill_when: Callable[[], bool] | None = None, peer: ServiceHandle | None = None) -> RunOutcome:
-        """Runs the adapter on `request` in its output folder; kills the group on timeout or `kill_when()`.
-        `peer` (the arm's rollout service) needs nothing here: both share the host's loopback."""
+        """Runs the adapter on `request` in its output folder, in the sandbox; kills the group on timeout or
+        `kill_when()`. With `peer` (the arm's rollout service) the job joins its network namespace."""
         out_dir, request_path = write_request(request)
-        cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
         environment = scrubbed_env(env.path / "bin", out_dir / ".home", request.plan)
-        return run_process(cmd, out_dir, environment, timeout_s=timeout_s, kill_when=kill_when)
+        cmd = self._sandboxed(env, request, out_dir, request_path, peer)
+        return run_process(cmd, out_dir, environment, timeout_s=timeout_s, kill_when=kill_when,
+                           preexec=self.sandbox.preexec)
 
     def start_service(self, env: StackEnvironment, request: StageRequest, *, ready_timeout_s: float = 300.0,
                       ) -> ServiceHandle:
-        """Starts the adapter's long-running `serve` job and waits for its service.json (url, pid)."""
+        """Starts the adapter's long-running `serve` job in the sandbox and waits for its service.json."""
         out_dir, request_path = write_request(request)
-        cmd = [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)]
-        return start_process_service(cmd, out_dir, scrubbed_env(env.path / "bin", out_dir / ".home", request.plan),
-                                     what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s)
+        environment = scrubbed_env(env.path / "bin", out_dir / ".home", request.plan)
+        return start_process_service(self._sandboxed(env, request, out_dir, request_path), out_dir, environment,
+                                     what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s,
+                                     preexec=self.sandbox.preexec)
+
+    def _sandboxed(self, env: StackEnvironment, request: StageRequest, out_dir: Path, request_path: Path,
+                   peer: ServiceHandle | None = None) -> list[str]:
+        run_dir = run_dir_of(out_dir)
+        return self.sandbox.command(
+            [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)],
+            run_dir=run_dir, cwd=out_dir, tmp=out_dir / ".home" / "tmp",
+            read_only=[env.path, *read_only_inputs(request, outside=run_dir)],
+            peer_pid=peer.process.pid if peer is not None else None, host_network=self.host_network)

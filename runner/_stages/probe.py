@@ -13,6 +13,7 @@ from qualification.gates import lock_gate
 from runner_contracts import EnvironmentInfo, GateResult, StageResult
 
 from .._engines.jobs import StackEnvironment
+from .._engines.local import LocalEngine
 from .._pins import check_pins
 from .._stacks import StackManifest, all_stacks, normalise
 from .arm import Arm, StageOutput, run_adapter
@@ -87,6 +88,8 @@ def stage_probe(arm: Arm) -> StageOutput:
                                                 in_stack_env=True, prefix="gpu", on_gpu=True)
         output.gates += gpu_gates
         output.metrics["gpu_environment"] = _probed(arm.manifest.name, gpu_env, gpu_result)
+    if isinstance(arm.engine, LocalEngine):  # a container engine's isolation is its container
+        output.metrics["sandbox"] = arm.engine.sandbox.describe()  # "none (...)" is the warning
     return output
 
 

@@ -9,12 +9,13 @@ StageRequest and writes result.json to the request's out_dir. A failure is writt
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 import traceback
 from pathlib import Path
 
 from .io import RecordError, read_record, write_record
-from .processes import supervise
+from .processes import die_with_parent, supervise
 from .records import ErrorInfo, StageRequest, StageResult
 
 RESULT_FILE = "result.json"
@@ -40,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     if not supervised:
+        # A sandbox may start us with SIGTERM ignored (so that it, our parent, outlives a graceful stop):
+        # take the default back before the adapter inherits it, and stop when that parent dies.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        die_with_parent(signal.SIGTERM)
         return supervise([sys.executable, "-m", "runner_contracts.launch", ADAPTER_FLAG, *args])
     return run_adapter(args[0], Path(args[1]))
 

@@ -19,6 +19,7 @@ docs/rollout-service.md.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib.metadata
 import os
@@ -236,10 +237,17 @@ def reachability(read_only_inputs: list[str] | tuple[str, ...] = (), host: str =
         os.unlink(name)
         return True
 
+    def own(folder: Path) -> bool:  # the job's private TMPDIR (in its run directory), e.g. a sandbox's /tmp
+        with contextlib.suppress(OSError, KeyError):
+            return folder.samefile(os.environ["TMPDIR"])
+        return False
+
+    # The engine points TMPDIR into the run directory; /tmp and /var/tmp are the host's shared ones.
+    outside = [folder for folder in (Path("/tmp"), Path("/var/tmp")) if folder.is_dir() and not own(folder)]
     inputs = [Path(p) for p in read_only_inputs if Path(p).is_dir()]
     return {"outbound_tcp": outbound, "outbound_target": f"{host}:{port}",
-            "write_outside_run_dir": can_write(Path("/tmp")),  # the engine points TMPDIR into the run dir
-            "write_target": "/tmp",
+            "write_outside_run_dir": any(can_write(folder) for folder in outside),
+            "write_target": ", ".join(map(str, outside)),
             "write_inputs": any(can_write(folder) for folder in inputs),
             "inputs": [str(folder) for folder in inputs]}
 
@@ -482,13 +490,15 @@ class RolloutService:
 
 def _serve(backend: RolloutBackend, request: StageRequest) -> StageResult:
     """The rollout service; blocks until SIGTERM/SIGINT, then stops the backend."""
-    stop = threading.Event()
+    # The handler only writes to a pipe. Event.set() from a handler can deadlock: a second SIGTERM (the
+    # group's, then the supervisor's) may land while the main thread holds the Event's lock in wait().
+    wake_read, wake_write = os.pipe()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: os.write(wake_write, b"."))
     with RolloutService(backend) as service:
         write_atomic(Path(request.out_dir) / SERVICE_FILE,
                      msgspec.json.encode({"url": service.url, "pid": os.getpid(), "stack": backend.stack}))
-        stop.wait()
+        os.read(wake_read, 1)
         print(f"rollout service: stop signal, stopping {backend.stack}", file=sys.stderr, flush=True)
         stopping = time.monotonic()
     print(f"rollout service: stopped in {time.monotonic() - stopping:.1f} s", file=sys.stderr, flush=True)
