@@ -166,11 +166,12 @@ def _reach(isolation: dict[str, Any]) -> str:
         "no writes outside the run dir"
     inputs = "" if "write_inputs" not in reach else \
         ("; inputs writable" if reach["write_inputs"] else "; inputs read-only")
-    image = f" {isolation['image']}" if isolation.get("image") else ""
-    sandbox = isolation.get("sandbox") or ""
+    sandbox = isolation.get("sandbox") or ""  # the local engine's; a container engine names its image
     if sandbox:
-        image = " without a sandbox" if sandbox.startswith("none") else f" in {sandbox.split(':')[0]}"
-    return f"{isolation.get('engine')} engine{image}: {network}; {files}{inputs}"
+        where = " without a sandbox" if sandbox.startswith("none") else f" in {sandbox.split(':')[0]}"
+    else:
+        where = f" {isolation['image']}" if isolation.get("image") else ""
+    return f"{isolation.get('engine')} engine{where}: {network}; {files}{inputs}"
 
 
 def _same_weights(arm: dict[str, Any], arms: list[dict[str, Any]]) -> str:

@@ -1,5 +1,7 @@
 """Errors the CLI reports as one clear line and a non-zero exit, never a traceback."""
 
+import errno
+
 
 class UserError(Exception):
     """Bad input or a failed precondition the user can fix; the message says what and where."""
@@ -14,6 +16,4 @@ class DiskFull(EngineError):
 
 
 def is_disk_full(error: BaseException) -> bool:
-    import errno
-
     return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)

@@ -153,12 +153,13 @@ def scrubbed_env(python_bin_dir: Path, home: Path, plan: Plan | None = None) -> 
     return env
 
 
-def _end_with_the_runner() -> None:
+def end_with_the_runner() -> None:
+    """Popen preexec_fn of a job: it gets SIGTERM when the runner's thread that started it ends."""
     die_with_parent(signal.SIGTERM)
 
 
 def _start_job(cmd: list[str], out_dir: Path, env: dict[str, str], stdout, stderr,
-               preexec: Callable[[], None] = _end_with_the_runner) -> tuple[subprocess.Popen, str]:
+               preexec: Callable[[], None] = end_with_the_runner) -> tuple[subprocess.Popen, str]:
     """Starts a job (the launcher's supervisor, or a sandbox around it) in its own session, marked with a
     fresh token; by default it gets SIGTERM, and so ends everything below it, if the runner dies."""
     token = uuid.uuid4().hex
@@ -169,7 +170,7 @@ def _start_job(cmd: list[str], out_dir: Path, env: dict[str, str], stdout, stder
 
 def run_process(cmd: list[str], out_dir: Path, env: dict[str, str], *, timeout_s: float,
                 kill_when: Callable[[], bool] | None = None,
-                preexec: Callable[[], None] = _end_with_the_runner) -> RunOutcome:
+                preexec: Callable[[], None] = end_with_the_runner) -> RunOutcome:
     """Runs one job in `out_dir` in its own process group, logs to files; SIGKILLs the group on timeout
     or when `kill_when()` turns true. Whatever the job started is ended with it."""
     stdout, stderr = out_dir / "stdout.log", out_dir / "stderr.log"
@@ -233,7 +234,7 @@ def wait_for_service(out_dir: Path, alive: Callable[[], bool], stop: Callable[[]
 
 
 def start_process_service(cmd: list[str], out_dir: Path, env: dict[str, str], *, what: str,
-                          ready_timeout_s: float, preexec: Callable[[], None] = _end_with_the_runner) -> ServiceHandle:
+                          ready_timeout_s: float, preexec: Callable[[], None] = end_with_the_runner) -> ServiceHandle:
     """Starts a long-running job in its own process group and waits for the service.json it writes."""
     (out_dir / "service.json").unlink(missing_ok=True)
     with open(out_dir / "stdout.log", "wb") as stdout, open(out_dir / "stderr.log", "wb") as stderr:

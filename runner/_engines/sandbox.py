@@ -2,14 +2,15 @@
 
 A job sees the whole file system read-only (its stack environment, the policy, its inputs) except its
 arm's run directory, which holds its private HOME and TMPDIR (mounted on /tmp as well); it gets a fresh
-/dev, /proc and /dev/shm, and its own network namespace with only a loopback interface. A job that needs a peer (an environment arm's
-trainer and its rollout service) joins the peer's network namespace with nsenter, so the two meet on
-127.0.0.1 and nothing else. Where bubblewrap is missing or cannot make a sandbox (no user namespaces),
-jobs run as plain processes and the probe's evidence says so; RUNNER_SANDBOX=none asks for that.
+/dev, /proc and /dev/shm, and its own network namespace with only a loopback interface. A job that needs
+a peer (an environment arm's trainer and its rollout service) joins the peer's network namespace with
+nsenter, so the two meet on 127.0.0.1 and nothing else. Where bubblewrap is missing or cannot make a
+sandbox (no user namespaces), jobs run as plain processes and the probe's evidence says so;
+RUNNER_SANDBOX=none asks for that.
 
-bwrap stays the job's process-group leader and ignores SIGTERM (set before exec, so its child inherits
-the ignore until the launcher's supervisor installs its own handler): a graceful stop reaches the job,
-which exits with its own code, and bwrap exits with that code.
+bwrap stays the job's process-group leader and ignores SIGTERM (bwrap dies at once on it, which would
+SIGKILL the job); the launcher it starts takes the default back before the adapter inherits the ignore.
+So a graceful stop reaches the job, which exits with its own code, and bwrap exits with that code.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner_contracts.processes import descendants, die_with_parent
+
+from .jobs import end_with_the_runner
 
 __all__ = ["Sandbox", "local_sandbox"]
 
@@ -67,10 +70,13 @@ class Sandbox:
                 self.bwrap, *_FRESH, *binds, "--", *cmd]
 
     def preexec(self) -> None:
-        """Popen preexec_fn of a job: SIGTERM once the runner dies; bwrap itself ignores SIGTERM."""
-        die_with_parent(signal.SIGKILL if self.bwrap else signal.SIGTERM)
-        if self.bwrap is not None:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        """Popen preexec_fn of a job: SIGTERM once the runner dies; bwrap, ignoring SIGTERM, gets SIGKILL and
+        the launcher below it then gets its own SIGTERM."""
+        if self.bwrap is None:
+            end_with_the_runner()
+            return
+        die_with_parent(signal.SIGKILL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _sandboxed_pid(job_pid: int) -> int:
