@@ -45,7 +45,7 @@ demo: $(STAMP)
 	$(BIN)/runner compare --stacks $(DEMO_STACKS) --plan $(PLAN) --engine $(DEMO_ENGINE)
 
 test: system-deps $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=40
 
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -ra -m 'not slow'

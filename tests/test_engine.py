@@ -33,11 +33,11 @@ def run(request):
     if request.stage == "fail":
         raise ValueError("the adapter refused: bad option")
     if request.stage == "serve":  # a service on 127.0.0.1 that stops cleanly on SIGTERM
-        import signal, socket, threading
+        import socket, threading
+        from runner_contracts.processes import StopSignal
         server = socket.create_server(("127.0.0.1", 0))
         threading.Thread(target=lambda: [server.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        stop = StopSignal()
         Path("service.json").write_text(json.dumps({"url": f"http://127.0.0.1:{server.getsockname()[1]}"}))
         stop.wait()
         return StageResult(stage="serve")

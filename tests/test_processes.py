@@ -5,6 +5,7 @@ host stops a service, and when the host itself is SIGKILLed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -131,3 +132,17 @@ def test_end_processes_ends_a_tree_that_ignores_sigterm(tmp_path):
     assert end_processes(lambda: [pid for pid in tree if not gone(pid)], grace_s=0.5) == 2
     parent.wait()
     assert all(gone(pid) for pid in tree) and time.monotonic() - started < 30
+
+
+def test_a_stop_signal_survives_a_burst_of_sigterms():
+    """A graceful stop brings SIGTERM more than once (the group's and the supervisor's); the waiting
+    process must stop with its own exit code however they land."""
+    script = ("import sys; from runner_contracts.processes import StopSignal; stop = StopSignal(); "
+              "print('ready', flush=True); sys.exit(100 + stop.wait())")
+    for _ in range(20):
+        process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+        assert process.stdout.readline() == "ready\n"
+        for _ in range(50):
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=10) == 100 + signal.SIGTERM

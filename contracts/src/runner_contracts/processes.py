@@ -44,6 +44,30 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     _prctl(_PR_SET_PDEATHSIG, int(sig))
 
 
+class StopSignal:
+    """Catches SIGTERM and SIGINT from construction on; `wait()` blocks until one has arrived.
+
+    A job's graceful stop brings SIGTERM twice (the host signals the job's process group, and the
+    supervisor passes its own on), so the handler only writes to a pipe (an Event set from a handler can
+    deadlock when the second signal lands while the first handler holds the Event's lock), and once one
+    has arrived the rest are ignored: the stop is under way, and the supervisor's SIGKILL bounds it."""
+
+    def __init__(self, signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT)):
+        self._signals = tuple(signals)
+        self._read, self._write = os.pipe()
+        for sig in self._signals:
+            signal.signal(sig, self._caught)
+
+    def _caught(self, signum: int, frame: object) -> None:
+        for sig in self._signals:
+            signal.signal(sig, signal.SIG_IGN)
+        os.write(self._write, bytes([signum]))
+
+    def wait(self) -> int:
+        """The first signal caught (one already caught returns at once)."""
+        return os.read(self._read, 1)[0]
+
+
 def parent_pids() -> dict[int, int]:
     """pid -> parent pid of every process visible in /proc (empty where there is no /proc)."""
     parents: dict[int, int] = {}

@@ -24,7 +24,6 @@ import http.client
 import importlib.metadata
 import os
 import platform
-import signal
 import sys
 import threading
 import time
@@ -52,6 +51,7 @@ from runner_contracts import (
     Upstream,
     write_atomic,
 )
+from runner_contracts.processes import StopSignal
 
 from .http import Call, HttpError, JsonServer, Reply, post_json
 from .policy import EPISODE_HEADER, attempt_id
@@ -490,15 +490,11 @@ class RolloutService:
 
 def _serve(backend: RolloutBackend, request: StageRequest) -> StageResult:
     """The rollout service; blocks until SIGTERM/SIGINT, then stops the backend."""
-    # The handler only writes to a pipe. Event.set() from a handler can deadlock: a second SIGTERM (the
-    # group's, then the supervisor's) may land while the main thread holds the Event's lock in wait().
-    wake_read, wake_write = os.pipe()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: os.write(wake_write, b"."))
+    stop = StopSignal()
     with RolloutService(backend) as service:
         write_atomic(Path(request.out_dir) / SERVICE_FILE,
                      msgspec.json.encode({"url": service.url, "pid": os.getpid(), "stack": backend.stack}))
-        os.read(wake_read, 1)
+        stop.wait()
         print(f"rollout service: stop signal, stopping {backend.stack}", file=sys.stderr, flush=True)
         stopping = time.monotonic()
     print(f"rollout service: stopped in {time.monotonic() - stopping:.1f} s", file=sys.stderr, flush=True)
