@@ -102,8 +102,8 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         figures = arm["recovery"]["injected_environment_crash"] or {}
         if not figures or figures.get("applicable") is False:
             return "n/a (in-process environment)"
-        return (f"{figures['retried_episodes']} retried, {figures['failed_episodes']} failed, "
-                f"{figures['lost']} lost of {figures['requested']}")
+        return (f"host killed {len(figures.get('killed_pids') or [])} env process(es): {figures['retried_episodes']} "
+                f"retried, {figures['failed_episodes']} failed, {figures['lost']} lost of {figures['requested']}")
 
     def split(arm: dict[str, Any], name: str) -> str:
         row = arm["evaluation"].get(name)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
+from collections.abc import Callable
 from typing import Any
 
 from qualification.stats import wilson
-from runner_contracts import Evidence, Plan
+from runner_contracts import Evidence, GateResult, Plan
 
 
 PALETTE = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"]
@@ -46,6 +47,12 @@ def _short(value: Any) -> str:
         return f"{value:.3g}"
     text = json.dumps(value) if isinstance(value, (list, dict)) else str(value if value is not None else "")
     return text if len(text) <= 48 else text[:45] + "..."
+
+
+def measured_cell(gate: GateResult, short: Callable[[Any], str] = _short) -> str:
+    """A gate's measured figure, marked where it is the adapter's word rather than the host's finding."""
+    cell = short(gate.measured)
+    return f"{cell} (adapter's report)" if gate.reported_by == "adapter" else cell
 
 
 def _duration(evidence: Evidence) -> float:
@@ -92,7 +99,7 @@ def gate_details(arm: str, evidence: list[Evidence]) -> str:
             state = "passed" if gate.passed else "failed"
             rows.append(f'<tr class="gate-{state}"><td>{_e(record.stage)}</td><td><span class="badge '
                         f'{"pass" if gate.passed else "fail"}">{_e(gate.name)}</span></td>'
-                        f'<td class="num">{_e(_short(gate.measured))}</td><td class="num">{_e(_short(gate.threshold))}</td>'
+                        f'<td class="num">{_e(measured_cell(gate))}</td><td class="num">{_e(_short(gate.threshold))}</td>'
                         f'<td class="detail">{_e(gate.detail)}</td></tr>')
     return (f"<h3>{_e(arm)}</h3><table><tr><th>stage</th><th>gate</th><th>measured</th><th>threshold</th>"
             f"<th>detail</th></tr>{''.join(rows)}</table>")

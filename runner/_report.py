@@ -14,6 +14,7 @@ from qualification.gates import pooled_evaluation
 from runner_contracts import Evidence, Plan, read_record
 
 from ._errors import UserError
+from ._html import measured_cell
 from ._html import render as render_html
 from ._secrets import write_redacted
 from ._stages import STAGES, TRIAL_STAGES, trial_dir
@@ -67,7 +68,7 @@ def gate_table(evidence: list[Evidence], title: str) -> Table:
         for index, gate in enumerate(record.gates):
             mark = "[green]ok[/]" if gate.passed else "[red]FAIL[/]"
             table.add_row(record.stage if index == 0 else "", f"[{style}]{record.status}[/]" if index == 0 else "",
-                          f"{mark} {gate.name}", escape(_short(gate.measured)), escape(_short(gate.threshold)))
+                          f"{mark} {gate.name}", escape(measured_cell(gate, _short)), escape(_short(gate.threshold)))
     return table
 
 
@@ -202,7 +203,7 @@ def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
         for gate in record.gates:
             detail = gate.detail.replace("|", "\\|").replace("\n", " ")
             lines.append(f"| {record.stage} | {record.status} | {gate.name} | {'yes' if gate.passed else 'NO'} | "
-                         f"{_short(gate.measured)} | {_short(gate.threshold)} | {detail} |")
+                         f"{measured_cell(gate, _short)} | {_short(gate.threshold)} | {detail} |")
     if data.get("reward_per_step"):
         lines += ["", "## Mean reward per training step", "", "| step | mean reward |", "|---|---|"]
         lines += [f"| {step} | {reward:.3f} |" for step, reward in data["reward_per_step"].items()]

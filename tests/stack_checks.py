@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import msgspec
 from qualification.tasks import ToolCall, Transcript, get_family, sources
 from runner_contracts import (
+    ENVIRONMENT_FILE,
+    SERVICE_CALLS_FILE,
+    PolicyCall,
+    ServiceCase,
+    read_jsonl,
     EpisodeSpec,
-    FaultSpec,
     RolloutRequest,
     RolloutResponse,
     SamplingSpec,
@@ -19,6 +25,8 @@ from runner_contracts import (
 )
 from runner_kit.http import post_json
 from runner_kit.scripted_policy import ScriptedPolicyServer
+
+from conftest import wait_until
 
 from runner._engines.jobs import last_error_lines
 from runner.api import LocalEngine, StackEnvironment, all_stacks, load_plan
@@ -66,13 +74,19 @@ def reference(family, item, result: dict):
     return family.score(item, Transcript(final_text=result["final_text"], tool_calls=calls))
 
 
+def published_pids(service_dir: Path) -> list[int]:
+    """The environment's processes as the rollout service publishes them (ENVIRONMENT_FILE)."""
+    return json.loads((service_dir / ENVIRONMENT_FILE).read_text())["pids"]
+
+
 def assert_crash_mid_batch_loses_nothing(env: StackEnvironment, tmp_path: Path, families=None,
                                          kill_after: int = 5, channel: str | None = None) -> list[dict]:
-    """The stack's rollout service (through the engine, as an arm runs it) with the environment server
-    SIGKILLed once `kill_after` episodes started: every episode comes back completed with the
-    reference score, some on a second attempt; with `channel`, also everything assert_scripted_results
-    checks (components, both outcomes per family, every call attributed through that channel).
-    Returns the results as dicts."""
+    """The stack's rollout service (through the engine, as an arm runs it) whose environment processes (as
+    its environment.json names them) the engine SIGKILLs once `kill_after` episodes called the policy, as the
+    rollout stage's crash does: every episode comes back completed with the reference score, some on a
+    second attempt, and the environment runs again under new processes; with `channel`, also everything
+    assert_scripted_results checks (components, both outcomes per family, every call attributed through
+    that channel). Returns the results as dicts."""
     episodes, cases = scripted_episodes(families)
     # On the host's network: this test's scripted policy server and its POST /rollouts are on the host.
     service = LocalEngine(host_network=True).start_service(env, StageRequest(
@@ -82,16 +96,26 @@ def assert_crash_mid_batch_loses_nothing(env: StackEnvironment, tmp_path: Path, 
         assert service.url.startswith("http://127.0.0.1:")
         with ScriptedPolicyServer({e: c[2]["turns"] for e, c in cases.items()}) as policy:
             request = RolloutRequest(episodes=episodes, policy_base_url=policy.base_url, sampling=SAMPLING,
-                                     concurrency=4, max_attempts=3,
-                                     fault=FaultSpec(kill_environment_after_started=kill_after))
-            response = msgspec.convert(post_json(service.url + "/rollouts", msgspec.to_builtins(request),
-                                                 timeout=600), RolloutResponse)
+                                     concurrency=4, max_attempts=3)
+            replies: list = []
+            batch = threading.Thread(target=lambda: replies.append(
+                post_json(service.url + "/rollouts", msgspec.to_builtins(request), timeout=600)))
+            batch.start()
+            wait_until(lambda: len({c["episode_id"] for c in policy.calls}) >= kill_after or not batch.is_alive(),
+                       "episodes to call the policy", 300, poll_s=0.01)
+            environment = published_pids(tmp_path)
+            killed = service.kill_processes(environment)
+            batch.join(600)
+            response = msgspec.convert(replies[0], RolloutResponse)
             calls = list(policy.calls)
+            time.sleep(0.3)  # the service republishes within 0.1 s of a change
+            restarted = published_pids(tmp_path)
     finally:
         code = service.stop()
     assert code == 0, (f"the rollout service exited {code} on SIGTERM: "
                        f"{last_error_lines(tmp_path / 'stderr.log', lines=12)}")
-    assert response.faults_injected == 1 and response.environment_restarts >= 1
+    assert killed and sorted(killed) == sorted(environment), (killed, environment)
+    assert response.environment_restarts >= 1 and restarted and not set(restarted) & set(killed)
     assert [r.episode_id for r in response.results] == [e.episode_id for e in episodes]
     assert any(r.attempts > 1 for r in response.results)
     for result in response.results:
@@ -165,16 +189,20 @@ def assert_scripted_results(results: list[dict], cases: dict[str, tuple], calls:
 
 
 def assert_service_stage(env: StackEnvironment, out: Path, timeout_s: float = 300) -> None:
-    """The scaffold's service stage through the engine: no failed episode, no unattributed call, and every
-    scripted case scored as the reference scorer scores it."""
+    """The scaffold's service stage through the engine: the host's gate over its files (every scripted case
+    of the plan ran once and completed, every policy call names one), and every scripted case scored as
+    the reference scorer scores it."""
     from qualification.tasks import TaskItem
+
+    from runner._stages.service import scripted_episodes_gate
 
     outcome = LocalEngine().run(env, StageRequest(run_id="t", stack=env.manifest.name, stage="service",
                                                   plan=load_plan(PLAN), out_dir=str(out),
                                                   options={"items_per_family": 1}), timeout_s=timeout_s)
     assert outcome.ok, (out / "stderr.log").read_text()[-3000:]
-    result = json.loads((out / "result.json").read_text())
-    assert result["metrics"]["failed_episodes"] == [] and result["metrics"]["unattributed_calls"] == 0
+    gate, _ = scripted_episodes_gate(load_plan(PLAN), read_jsonl(out / "service.jsonl", ServiceCase),
+                                     read_jsonl(out / SERVICE_CALLS_FILE, PolicyCall), items_per_family=1)
+    assert gate.passed, gate
     cases = [json.loads(line) for line in (out / "service.jsonl").read_text().splitlines()]
     assert cases
     for case in cases:

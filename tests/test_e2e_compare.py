@@ -54,7 +54,8 @@ def test_environment_arms_capture_every_call_and_lose_no_episode(comparison):
             continue
         assert fidelity["token_source"] in ("policy server capture", GATEWAY_CAPTURE) and fidelity["policy_calls"] > 0
         assert fidelity["unattributed_calls"] == 0
-        assert crash["faults_injected"] == 1 and crash["lost"] == 0 and crash["returned"] == crash["requested"]
+        assert crash["killed_pids"] and crash["lost"] == 0 and crash["returned"] == crash["requested"]
+        assert crash["environment_pids_after"] and not set(crash["environment_pids_after"]) & set(crash["killed_pids"])
         assert arm["isolation"]["foreign_packages_absent"] is True
     lightning = next(arm for arm in data["arms"] if arm["stack"] == "lightning-verl")
     assert lightning["trace_fidelity"]["token_source"] == GATEWAY_CAPTURE

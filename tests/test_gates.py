@@ -107,3 +107,39 @@ def test_sft_gates():
     leaky = msgspec.structs.replace(row, loss_mask=[0, 1, 1, 1])
     gates = {g.name: g for g in sft_gates(demos, [leaky], 2)[0]}
     assert not gates["sft:mask-equals-targets"].passed and not gates["sft:every-step-recorded"].passed
+
+
+def test_the_service_gate_expects_every_scripted_case_of_the_plan():
+    """The host derives the scripted cases from the plan itself: a case left out, run twice, failed, or a
+    policy call naming no case fails the gate, whatever the adapter reports."""
+    from conftest import CALC_PLAN
+    from qualification.tasks import get_family
+    from runner_contracts import ErrorInfo, PolicyCall, ServiceCase
+
+    from runner._stages.service import SERVICE_ITEMS_PER_FAMILY, _service_splits, scripted_episodes_gate
+    from runner.api import load_plan
+
+    plan = load_plan(CALC_PLAN)
+    cases = [ServiceCase(task_id=item.task_id, item=item.to_json(), case=case["case"],
+                         expected_success=case["expected_success"], final_text="", tool_calls=[], stack_reward=0.0,
+                         episode_id=f"service/{item.task_id}/{case['case']}")
+             for name, split in _service_splits(plan)
+             for item in get_family(name).generate(split.split, SERVICE_ITEMS_PER_FAMILY, split.seed)
+             for case in get_family(name).scripted_cases(item)]
+
+    def call(episode_id):
+        return PolicyCall(call_id="c", episode_id=episode_id, channel="header", endpoint="/v1/chat/completions",
+                          index_in_episode=0, policy_revision="scripted", prompt_ids=[], completion_ids=[],
+                          logprobs=[], finish_reason="")
+
+    calls = [call(case.episode_id) for case in cases]
+    assert scripted_episodes_gate(plan, cases, calls)[0].passed
+    failed = msgspec.structs.replace(cases[0], status="failed", error=ErrorInfo(kind="environment-down", message="gone"))
+    for lie, (their_cases, their_calls) in {
+            "missing": (cases[1:], calls),
+            "ran twice": (cases + cases[:1], calls),
+            "gone": ([failed, *cases[1:]], calls),
+            "name no scripted episode": (cases, [*calls, call(None)]),
+            "recorded no policy call": (cases, [])}.items():
+        gate, _ = scripted_episodes_gate(plan, their_cases, their_calls)
+        assert not gate.passed and lie in gate.detail, (lie, gate)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 from runner_contracts import StageRequest
@@ -27,11 +28,18 @@ IMAGE_ENGINES = ("docker", "podman")  # engines that can run a given image as is
 
 
 class Service(Protocol):
-    """A running rollout service job: its url, whether it still runs, and how to stop it."""
+    """A running rollout service job: its url, its folder, whether it still runs, and how to stop it."""
 
     url: str
+    out_dir: Path
 
     def alive(self) -> bool: ...
+
+    def kill_processes(self, pids: list[int]) -> list[int]:
+        """SIGKILLs those of `pids` (as the service sees them, in its own pid namespace) that are processes
+        of this service, each with everything below it; returns the ones it killed. Any other pid is left
+        alone: the host kills only what it started."""
+        ...
 
     def stop(self, grace_s: float = 10.0) -> int | None: ...
 

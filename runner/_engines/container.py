@@ -11,6 +11,7 @@ exit code captured into the stage folder; the container is removed whether the j
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import threading
 import time
@@ -168,6 +169,18 @@ class ContainerService:
             self.container.reload()
             return self.container.status in ("created", "running")
         return False
+
+    def kill_processes(self, pids: list[int]) -> list[int]:
+        """Inside the container (every process in it is the service's), with the stack's own Python."""
+        script = (f"import json; from runner_contracts.processes import kill_trees; "
+                  f"print(json.dumps(kill_trees({[int(pid) for pid in pids]!r})))")
+        try:
+            code, output = self.container.exec_run([f"{STACK_PREFIX}/bin/python", "-c", script])
+        except Exception as error:  # noqa: BLE001 - a container that is gone killed nothing
+            raise EngineError(f"cannot reach the service's container to kill {pids}: {error}") from None
+        if code != 0:
+            raise EngineError(f"killing {pids} in the service's container failed: {output.decode(errors='replace')[-300:]}")
+        return json.loads(output.decode().strip().splitlines()[-1])
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM, SIGKILL after `grace_s`; logs into the service folder; the container is removed."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runner_contracts import Plan, StageRequest, write_record
-from runner_contracts.processes import JOB_TOKEN_VAR, die_with_parent, end_job
+from runner_contracts.processes import JOB_TOKEN_VAR, descendants, die_with_parent, end_job, innermost_pid, kill_trees
 
 from .._errors import EngineError
 from .._paths import task_package_dir
@@ -255,6 +255,14 @@ class ServiceHandle:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def kill_processes(self, pids: list[int]) -> list[int]:
+        """Processes below this service's own process, matched by the pid they see (a sandbox or an
+        Apptainer --containall may give them a pid namespace of their own)."""
+        wanted = set(pids)
+        ours = {innermost_pid(pid): pid for pid in descendants(self.process.pid)}
+        killed = kill_trees([ours[pid] for pid in sorted(wanted & ours.keys())])
+        return [pid for pid, host in ours.items() if host in killed]
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the group, SIGKILL after `grace_s`; returns the exit code."""

@@ -40,23 +40,29 @@ def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] 
 
 
 def environment_arm_audit(arm: Arm, out: Path, result: StageResult | None) -> tuple[list[GateResult], dict]:
-    """Policy-server calls against the trajectories, and the bridge's batch figures."""
+    """Policy-server calls against the trajectories: attribution, tokens, continuity, retries and failures,
+    all from the two files. A stack that trains from its own token capture (a gateway) is held to the same
+    check: its rows' tokens must be the server's."""
     if arm.service_env is None:
         return [], {}
     trajectories = read_any(out, "trajectories.jsonl", Trajectory)
     gates, metrics = call_gates(read_any(out, "calls.jsonl", PolicyCall), trajectories)
-    batches = (result.metrics.get("batches") if result else None) or []
-    for key in ("continuity_breaks", "untrained_calls", "failed_episodes", "retried_episodes",
-                "environment_restarts", "faults_injected", "episodes_without_calls", "rows_from_stack_capture",
-                "stack_capture_mismatches"):
-        metrics[key] = sum(batch.get(key, 0) for batch in batches)
-    if metrics["rows_from_stack_capture"]:
-        gates.append(GateResult(
-            name="calls:stack-capture-equals-server", passed=metrics["stack_capture_mismatches"] == 0,
-            measured=metrics["stack_capture_mismatches"], threshold=0,
-            detail=f"{metrics['rows_from_stack_capture']} episodes trained from the stack's own token capture; "
-                   "each capture's prompt and sampled ids equal the policy server's log"))
+    metrics["failed_episodes"] = sum(1 for t in trajectories if t.outcome == "error")
+    stack_rows = sum(batch.get("rows_from_stack_capture", 0) for batch in reported(result, "batches", metrics) or [])
+    if stack_rows:
+        metrics["rows_from_stack_capture"] = stack_rows
     return gates, metrics
+
+
+def reported(result: StageResult | None, key: str, metrics: dict[str, Any]) -> Any:
+    """A figure only the adapter knows (its result's metrics[key]); listed under the stage's
+    metrics["reported_by_adapter"], so evidence and report say whose word it is."""
+    value = result.metrics.get(key) if result is not None else None
+    if value is not None:
+        metrics.setdefault("reported_by_adapter", [])
+        if key not in metrics["reported_by_adapter"]:
+            metrics["reported_by_adapter"].append(key)
+    return value
 
 
 def sampling_audit(arm: Arm, job: str, out: Path, result: StageResult | None) -> tuple[list[GateResult], dict]:
@@ -89,15 +95,16 @@ def ledger_audit(out: Path, ledger: RolloutLedger) -> tuple[list[GateResult], di
 
 def throughput(arm: Arm, result: StageResult | None, metrics: dict[str, Any]) -> dict[str, float]:
     """Episodes and policy tokens per second of generation: the rollout service's batches for environment
-    arms (environment + policy server), TRL's generate-and-score for the trl arm."""
+    arms (environment + policy server), TRL's generate-and-score for the trl arm. The seconds are the
+    trainer's timing (reported)."""
     if result is None:
         return {}
     if arm.service_env is not None:
-        parts = result.metrics.get("batches") or []
+        parts = reported(result, "batches", metrics) or []
         seconds = sum(batch.get("rollout_s", 0.0) for batch in parts)
         episodes = sum(batch.get("episodes", 0) for batch in parts)
     else:
-        parts = result.metrics.get("steps") or []
+        parts = reported(result, "steps", metrics) or []
         seconds = sum(step.get("generate_s", 0.0) for step in parts)
         episodes = len(parts) * arm.plan.budget.prompts_per_step * arm.plan.budget.generations_per_prompt
     if not seconds:

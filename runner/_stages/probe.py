@@ -50,11 +50,13 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
         GateResult(name=f"{prefix}:capabilities", passed=not missing_caps, measured=result.capabilities,
                    threshold=list(manifest.capabilities),
                    detail=f"missing: {missing_caps}" if missing_caps else "adapter reports every declared capability"),
-        _pins_gate(manifest, env, prefix),
         GateResult(name=f"{prefix}:no-foreign-packages", passed=not leaked, measured=leaked, threshold=[],
                    detail=(f"found {', '.join(leaked)}" if leaked else
                            f"no other stack's upstream{' and no torch' if manifest.is_environment else ''} installed")),
     ]
+    # Everything above but the pins gate rests on what the job reported from inside its environment.
+    gates = [msgspec.structs.replace(gate, reported_by="adapter") for gate in gates]
+    gates.insert(4, _pins_gate(manifest, env, prefix))
     return environment, result, gates
 
 
@@ -90,6 +92,8 @@ def stage_probe(arm: Arm) -> StageOutput:
         output.metrics["gpu_environment"] = _probed(arm.manifest.name, gpu_env, gpu_result)
     if isinstance(arm.engine, LocalEngine):  # a container engine's isolation is its container
         output.metrics["sandbox"] = arm.engine.sandbox.describe()  # "none (...)" is the warning
+    # The environment, its packages and what a job could reach are measured inside the job.
+    output.metrics["reported_by_adapter"] = sorted({"environment", *result.metrics} - {"sandbox"})
     return output
 
 

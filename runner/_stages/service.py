@@ -3,32 +3,67 @@ by the stack and by the reference scorer; the frozen splits' hashes and the trai
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from qualification.gates import service_gates
 from qualification.tasks import exact_overlap, get_family, ngram_overlap, split_hash
-from runner_contracts import GateResult, Plan, ServiceCase, read_jsonl
+from runner_contracts import SERVICE_CALLS_FILE, GateResult, Plan, PolicyCall, ServiceCase, read_jsonl
 
 from .arm import Arm, StageOutput, run_adapter
+from .audits import reported
+
+SERVICE_ITEMS_PER_FAMILY = 3  # items of each scripted family (the stage's option items_per_family)
 
 
 def stage_service(arm: Arm) -> StageOutput:
     out = arm.stage_dir("service")
-    _, result = run_adapter(arm, "service", out, in_stack_env=arm.service_env is not None)
+    _, result = run_adapter(arm, "service", out, in_stack_env=arm.service_env is not None,
+                            options={"items_per_family": SERVICE_ITEMS_PER_FAMILY})
     cases = read_jsonl(out / "service.jsonl", ServiceCase)
     splits, split_gates = split_evidence(arm.plan)
     gates = service_gates(cases) + split_gates
     metrics: dict[str, Any] = {"cases": len(cases), "splits": splits}
-    if arm.service_env is not None and result is not None:
-        failed, unattributed = result.metrics.get("failed_episodes", []), result.metrics.get("unattributed_calls", 0)
-        gates.append(GateResult(
-            name="service:scripted-episodes", passed=not failed and unattributed == 0,
-            measured=len(failed) + unattributed, threshold=0,
-            detail=("; ".join(failed[:3]) or f"{unattributed} unattributed policy calls") if failed or unattributed
-            else f"{len(cases)} scripted episodes ran natively, every policy call attributed "
-                 f"({result.metrics.get('episode_id_channel')})"))
-        metrics.update({k: result.metrics.get(k) for k in ("policy_calls", "channels", "episode_id_channel", "seconds")})
+    if arm.service_env is not None:
+        gate, figures = scripted_episodes_gate(arm.plan, cases, read_jsonl(out / SERVICE_CALLS_FILE, PolicyCall)
+                                               if (out / SERVICE_CALLS_FILE).is_file() else [])
+        gates.append(gate)
+        metrics.update(figures)
+        reported(result, "seconds", metrics)
     return StageOutput(metrics=metrics, gates=gates)
+
+
+def scripted_episodes_gate(plan: Plan, cases: list[ServiceCase], calls: list[PolicyCall], *,
+                           items_per_family: int = SERVICE_ITEMS_PER_FAMILY) -> tuple[GateResult, dict[str, Any]]:
+    """Every scripted case the host expects (it derives them from the plan itself) ran once and completed,
+    and every policy call the scripted server answered names one of them."""
+    expected = {(item.task_id, case["case"]) for family_name, split in _service_splits(plan)
+                for item in get_family(family_name).generate(split.split, items_per_family, split.seed)
+                for case in get_family(family_name).scripted_cases(item)}
+    ran = Counter((case.task_id, case.case) for case in cases)
+    missing, unexpected = sorted(expected - ran.keys()), sorted(ran.keys() - expected)
+    repeated = sorted(key for key, count in ran.items() if count > 1)
+    failed = [f"{case.task_id}/{case.case}: {case.error.message if case.error else case.status}"
+              for case in cases if case.status != "completed"]
+    episodes = {case.episode_id for case in cases}
+    unattributed = sum(1 for call in calls if call.episode_id not in episodes)
+    problems = ([f"missing {'/'.join(key)}" for key in missing[:3]] + [f"ran twice {'/'.join(key)}" for key in repeated[:3]]
+                + [f"not scripted {'/'.join(key)}" for key in unexpected[:3]] + failed[:3]
+                + ([f"{unattributed} policy calls name no scripted episode"] if unattributed else []))
+    channels = sorted({call.channel for call in calls})
+    gate = GateResult(
+        name="service:scripted-episodes", passed=not problems and bool(calls),
+        measured=len(missing) + len(repeated) + len(unexpected) + len(failed) + unattributed, threshold=0,
+        detail="; ".join(problems) or (f"{len(cases)} scripted episodes ran natively, every one of the "
+                                       f"{len(calls)} policy calls attributed (via {', '.join(channels)})"
+                                       if calls else "the service stage recorded no policy call"))
+    return gate, {"policy_calls": len(calls), "channels": channels, "failed_episodes": len(failed),
+                  "missing_cases": len(missing), "unattributed_calls": unattributed}
+
+
+def _service_splits(plan: Plan) -> list[tuple[str, Any]]:
+    """The splits whose items the service stage scripts: train's and retention's families."""
+    return [(plan.task.family, plan.task.train), (plan.task.retention.family or plan.task.family, plan.task.retention)]
 
 
 def split_evidence(plan: Plan) -> tuple[dict[str, Any], list[GateResult]]:

@@ -13,7 +13,7 @@ from qualification.gates import checkpoint_revisions, sft_gates, update_gates
 from runner_contracts import Checkpoint, Demonstration, GateResult, TrainingRow, read_jsonl
 
 from .arm import Arm, StageOutput, run_adapter
-from .audits import audit_trace, sampling_audit, throughput
+from .audits import audit_trace, reported, sampling_audit, throughput
 from .resume import last_complete_checkpoint, replay_gates
 
 
@@ -30,9 +30,9 @@ def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageO
         gates += call_checks
         metrics.update(call_metrics)
         metrics.update(throughput(arm, result, metrics))
-    metrics["trainer"] = ((result.metrics.get("trainer") if result and arm.trains_on_gpu(stage) else None)
+    metrics["trainer"] = ((reported(result, "trainer", metrics) if arm.trains_on_gpu(stage) else None)
                           or f"{arm.env.manifest.name}-{'gpu' if arm.plan.budget.gpus else 'cpu'}")
-    losses = [float(x) for x in (result.metrics.get("loss", []) if result else []) if x is not None]
+    losses = [float(x) for x in (reported(result, "loss", metrics) or []) if x is not None]
     gates += update_gates(losses, steps, arm.plan.policy.sha256 or "", revisions, incomplete)
     metrics.update(loss=losses, steps=steps)
     checkpoints = [Checkpoint(step=step, path=str((out / "checkpoints" / f"checkpoint-{step}").relative_to(arm.run_dir)),

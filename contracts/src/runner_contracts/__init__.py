@@ -19,6 +19,8 @@ from .io import (
 from .records import (
     COMPLETE_MARKER,
     RECORD_TYPES,
+    ENVIRONMENT_FILE,
+    SERVICE_CALLS_FILE,
     SUPPORTED_VERSION,
     Artifact,
     BudgetSpec,
@@ -35,7 +37,6 @@ from .records import (
     GateResult,
     GateSpec,
     Hardware,
-    FaultSpec,
     Plan,
     PolicyCall,
     PolicySpec,
@@ -62,8 +63,8 @@ from .records import (
 )
 
 __all__ = [
-    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration",
-    "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "FaultSpec", "EvalRecord", "EvaluationSpec", "Evidence", "GateResult", "GateSpec", "Hardware",
+    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "ENVIRONMENT_FILE", "SERVICE_CALLS_FILE", "SUPPORTED_VERSION", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration",
+    "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "EvalRecord", "EvaluationSpec", "Evidence", "GateResult", "GateSpec", "Hardware",
     "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Provenance", "Record", "RecordError", "ReleaseSpec", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageRequest", "StageResult", "TaskPackage", "TaskSpec", "TinyRecipe", "ToolCallRecord", "TrainingRow",
     "Trajectory", "Upstream", "canonical_json", "decode_record", "encode", "freeze_plan", "iter_jsonl",

@@ -99,6 +99,24 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def innermost_pid(pid: int) -> int:
+    """`pid` as the process sees itself: its pid in the innermost pid namespace it lives in (a container's
+    --pid namespace), from /proc/<pid>/status NSpid; `pid` itself where there is none."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in (PROC / str(pid) / "status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    return pid
+
+
+def kill_trees(pids: Iterable[int]) -> list[int]:
+    """SIGKILLs each pid and every process below it; returns the pids that were alive."""
+    alive = [pid for pid in pids if not _is_zombie(pid)]
+    tree = [member for pid in alive for member in (pid, *descendants(pid))]
+    _signal_all(tree, signal.SIGKILL)
+    return alive
+
+
 def carrying(token: str) -> list[int]:
     """Processes whose initial environment holds JOB_TOKEN_VAR=token (only ours are readable to us)."""
     needle = f"{JOB_TOKEN_VAR}={token}".encode()

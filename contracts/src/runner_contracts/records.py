@@ -258,6 +258,9 @@ class GateResult(Record, kw_only=True):
     measured: Any = None
     threshold: Any = None
     detail: str = ""
+    # "adapter" when `measured` is the adapter's own report (a loss the host cannot recompute); None when
+    # the host derived it from files it checks.
+    reported_by: Literal["adapter"] | None = None
 
 
 class Provenance(Record, kw_only=True):
@@ -342,6 +345,11 @@ class StageResult(Record, kw_only=True):
     error: ErrorInfo | None = None
 
 
+SERVICE_CALLS_FILE = "service-calls.jsonl"  # the service stage's scripted policy calls (PolicyCall records)
+# In a rollout service's folder, kept current while it runs: {"pids": [...]} of its environment's processes.
+ENVIRONMENT_FILE = "environment.json"
+
+
 class ServiceCase(Record, kw_only=True):
     """One scripted episode of the service stage: what was said, what the stack scored."""
 
@@ -355,6 +363,9 @@ class ServiceCase(Record, kw_only=True):
     tool_calls: list[dict[str, Any]]
     stack_reward: float
     stack_components: dict[str, float] = msgspec.field(default_factory=dict)
+    episode_id: str = ""  # the id its policy calls carry (service-calls.jsonl)
+    status: Literal["completed", "failed"] = "completed"
+    error: ErrorInfo | None = None
 
 
 class EvalRecord(Record, kw_only=True):
@@ -391,12 +402,6 @@ class EpisodeSpec(Record, kw_only=True):
     max_turns: Annotated[int, msgspec.Meta(ge=1)]
 
 
-class FaultSpec(Record, kw_only=True):
-    """Fault injection for the recovery test: kill the environment server once this many episodes started."""
-
-    kill_environment_after_started: NonNegInt
-
-
 class RolloutRequest(Record, kw_only=True):
     """POST /rollouts: a batch of episodes against one policy endpoint."""
 
@@ -412,7 +417,6 @@ class RolloutRequest(Record, kw_only=True):
     # An attempt with no result after this long is abandoned: the environment server is killed and
     # restarted (a hung server unblocks no other way) and the episode retried, or failed after max_attempts.
     episode_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
-    fault: FaultSpec | None = None
 
 
 class ToolCallRecord(Record, kw_only=True):
@@ -459,7 +463,6 @@ class RolloutResponse(Record, kw_only=True):
     stack: str
     results: list[EpisodeResult]
     environment_restarts: NonNegInt = 0
-    faults_injected: NonNegInt = 0
     seconds: float = 0.0
 
 

@@ -36,6 +36,8 @@ from typing import Any
 import msgspec
 from qualification.tasks import get_family
 from runner_contracts import (
+    ENVIRONMENT_FILE,
+    SERVICE_CALLS_FILE,
     EnvironmentInfo,
     EpisodeResult,
     EpisodeSpec,
@@ -136,8 +138,13 @@ class RolloutBackend:
     def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
         raise NotImplementedError
 
+    def environment_pids(self) -> list[int]:
+        """The running upstream environment's processes (each with whatever it started), for the host's
+        crash test: the host SIGKILLs them itself, by pid. Empty when the environment runs in this process."""
+        return []
+
     def kill_environment(self) -> None:
-        """SIGKILLs the upstream environment server (fault injection)."""
+        """SIGKILLs the upstream environment server (an attempt that hung: its server may still look up)."""
         raise NotImplementedError
 
     def restart_environment(self) -> None:
@@ -167,6 +174,10 @@ class ServerBackend(RolloutBackend):
         with self._lock:
             if not self.server.alive():
                 self.server.start()
+
+    def environment_pids(self) -> list[int]:
+        with self._lock:
+            return [self.server.process.pid] if self.server.alive() and self.server.process else []
 
     def kill_environment(self) -> None:
         with self._lock:
@@ -256,7 +267,8 @@ def reachability(read_only_inputs: list[str] | tuple[str, ...] = (), host: str =
 
 
 class BatchRunner:
-    """Runs a RolloutRequest's episodes on a backend: concurrency, retries after restarts, fault injection."""
+    """Runs a RolloutRequest's episodes on a backend: concurrency, retries after an environment crash
+    (the environment restarted once per crash), a bounded time per attempt."""
 
     def __init__(self, backend: RolloutBackend):
         self.backend = backend
@@ -267,36 +279,24 @@ class BatchRunner:
         started = time.monotonic()
         policy = PolicyEndpoint(base_url=request.policy_base_url, model=request.policy_model,
                                 sampling=request.sampling, tokenizer_dir=request.tokenizer_dir)
-        counter = {"started": 0, "faults": 0, "restarts": 0}
+        counter = {"restarts": 0}
         counter_lock = threading.Lock()
 
-        def on_start() -> None:
-            fault = request.fault
-            with counter_lock:
-                counter["started"] += 1
-                fire = fault is not None and counter["faults"] == 0 and counter["started"] > fault.kill_environment_after_started
-                if fire:
-                    counter["faults"] += 1
-            if fire:
-                self.backend.kill_environment()
-
         def one(episode: EpisodeSpec) -> EpisodeResult:
-            return self._run_with_retries(episode, policy, request, on_start, counter, counter_lock)
+            return self._run_with_retries(episode, policy, request, counter, counter_lock)
 
         with ThreadPoolExecutor(max_workers=request.concurrency, thread_name_prefix="episode") as pool:
             results = list(pool.map(one, request.episodes))
         return RolloutResponse(stack=self.backend.stack, results=results, environment_restarts=counter["restarts"],
-                               faults_injected=counter["faults"], seconds=round(time.monotonic() - started, 3))
+                               seconds=round(time.monotonic() - started, 3))
 
-    def _run_with_retries(self, episode, policy, request, on_start, counter, counter_lock) -> EpisodeResult:
+    def _run_with_retries(self, episode, policy, request, counter, counter_lock) -> EpisodeResult:
         errors: list[str] = []
         max_attempts, timed_out = request.max_attempts, False
         for attempt in range(1, max_attempts + 1):
             generation = self._generation
             began = time.monotonic()
             try:
-                if attempt == 1:
-                    on_start()
                 # A retry runs under its own wire id, so the policy server keeps its calls apart from the
                 # abandoned attempt's; the result is reported under the episode's id.
                 wire = msgspec.structs.replace(episode, episode_id=attempt_id(episode.episode_id, attempt))
@@ -385,25 +385,24 @@ def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:
             batch = RolloutRequest(episodes=[e for e, _, _ in episodes], policy_base_url=scripted.base_url,
                                    policy_model=scripted.model, sampling=plan.sampling, concurrency=2)
             response = BatchRunner(backend).run(batch)
-            calls = list(scripted.calls)
+            calls = scripted.call_records()
     finally:
         backend.stop()
-    with JsonlWriter(Path(request.out_dir) / "service.jsonl") as writer:
+    out = Path(request.out_dir)
+    with JsonlWriter(out / "service.jsonl") as writer:
         for (episode, item, case), result in zip(episodes, response.results, strict=True):
             writer.write(ServiceCase(
                 task_id=item.task_id, item=item.to_json(), case=case["case"], expected_success=case["expected_success"],
                 final_text=result.final_text,
                 tool_calls=[{"name": c.name, "arguments": c.arguments, "result": c.result} for c in result.tool_calls],
                 stack_reward=result.reward, stack_components=result.reward_components,
+                episode_id=episode.episode_id, status=result.status, error=result.error,
             ))
-    failed = [f"{r.episode_id}: {r.error.message if r.error else r.status}" for r in response.results
-              if r.status != "completed"]
-    unattributed = sum(1 for call in calls if call["episode_id"] not in scripts)
-    return StageResult(stage="service", files={"service": "service.jsonl"}, metrics={
-        "episodes": len(episodes), "failed_episodes": failed, "policy_calls": len(calls),
-        "unattributed_calls": unattributed, "episode_id_channel": backend.episode_id_channel,
-        "channels": sorted({call["channel"] for call in calls}), "seconds": response.seconds,
-    })
+    with JsonlWriter(out / SERVICE_CALLS_FILE) as writer:
+        for call in calls:
+            writer.write(call)
+    return StageResult(stage="service", files={"service": "service.jsonl", "calls": SERVICE_CALLS_FILE},
+                       metrics={"episode_id_channel": backend.episode_id_channel, "seconds": response.seconds})
 
 
 def _scripted_calc_batch(n: int, max_turns: int = 3) -> tuple[list[EpisodeSpec], dict[str, list[dict[str, Any]]]]:
@@ -475,7 +474,7 @@ class RolloutService:
             batch = msgspec.convert(call.body, RolloutRequest)
         except msgspec.ValidationError as error:
             raise HttpError(422, f"not a rollout-request: {error}") from None
-        with self._batch_lock:  # the fault counter and restarts are per batch
+        with self._batch_lock:  # restarts are counted per batch
             return Reply(body=msgspec.to_builtins(self.runner.run(batch)))
 
     def __enter__(self) -> RolloutService:
@@ -488,10 +487,40 @@ class RolloutService:
         self.backend.stop()
 
 
+class _PublishedEnvironment:
+    """Keeps ENVIRONMENT_FILE current ({"pids": backend.environment_pids()}, rewritten atomically when they
+    change, checked every 0.1 s): the host reads it to crash the environment, from outside the service's
+    network namespace."""
+
+    def __init__(self, backend: RolloutBackend, path: Path):
+        self.backend, self.path = backend, path
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="environment-pids", daemon=True)
+
+    def _run(self) -> None:
+        published = None
+        while True:
+            with contextlib.suppress(Exception):  # a backend between states answers next time
+                pids = self.backend.environment_pids()
+                if pids != published:
+                    write_atomic(self.path, msgspec.json.encode({"pids": pids}))
+                    published = pids
+            if self._stop.wait(0.1):
+                return
+
+    def __enter__(self) -> _PublishedEnvironment:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def _serve(backend: RolloutBackend, request: StageRequest) -> StageResult:
     """The rollout service; blocks until SIGTERM/SIGINT, then stops the backend."""
     stop = StopSignal()
-    with RolloutService(backend) as service:
+    with RolloutService(backend) as service, _PublishedEnvironment(backend, Path(request.out_dir) / ENVIRONMENT_FILE):
         write_atomic(Path(request.out_dir) / SERVICE_FILE,
                      msgspec.json.encode({"url": service.url, "pid": os.getpid(), "stack": backend.stack}))
         stop.wait()

@@ -13,12 +13,15 @@ import json
 import threading
 from typing import Any
 
+from runner_contracts import PolicyCall
+
 from .http import Call, HttpError, JsonServer, Reply
 from .policy import (
     CHAT_PATH,
     GENERATE_PATH,
     MODELS_PATH,
     chat_completion,
+    episode_of,
     models_body,
     require_episode,
     split_attempt,
@@ -52,12 +55,28 @@ class ScriptedPolicyServer:
     def __exit__(self, *exc: Any) -> None:
         self._server.stop()
 
+    def call_records(self) -> list[PolicyCall]:
+        """`calls` as policy-call records (no token ids: the script answers in text), for the host's audit."""
+        records, index = [], {}
+        with self._lock:
+            calls = list(self.calls)
+        for number, call in enumerate(calls):
+            key = (call["episode_id"], call["attempt"])
+            index[key] = index.get(key, -1) + 1
+            records.append(PolicyCall(call_id=f"scripted-{number}", episode_id=call["episode_id"],
+                                      channel=call["channel"], endpoint=CHAT_PATH, attempt=call["attempt"],
+                                      index_in_episode=index[key], policy_revision="scripted", prompt_ids=[],
+                                      completion_ids=[], logprobs=[], finish_reason=""))
+        return records
+
     def _chat(self, call: Call) -> Reply:
-        wire_id, channel = require_episode(call)
-        episode, _ = split_attempt(wire_id)
+        wire_id, channel = episode_of(call)
+        episode, attempt = split_attempt(wire_id) if wire_id is not None else (None, 1)
         body = call.body or {}
         with self._lock:
-            self.calls.append({"episode_id": episode, "wire_id": wire_id, "channel": channel, "body": body})
+            self.calls.append({"episode_id": episode, "wire_id": wire_id, "attempt": attempt, "channel": channel,
+                               "body": body})
+        require_episode(call)
         if episode not in self.scripts:
             raise HttpError(404, f"no script for episode {episode!r}")
         turn_index = sum(1 for message in body.get("messages", []) if message.get("role") == "assistant")

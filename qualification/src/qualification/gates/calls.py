@@ -23,6 +23,7 @@ def call_gates(calls: list[PolicyCall], trajectories: list[Trajectory]) -> tuple
             by_episode[call.episode_id].append(call)
     abandoned = sum(1 for call in calls if call.episode_id is not None and call.attempt < last_attempt[call.episode_id])
     mismatched = []
+    breaks = untrained = without_calls = 0
     for trajectory in trajectories:
         policy = [token for s in trajectory.segments if s.source == "policy" for token in s.token_ids]
         captured: list[int] = []
@@ -30,8 +31,13 @@ def call_gates(calls: list[PolicyCall], trajectories: list[Trajectory]) -> tuple
         for call in sorted(by_episode.get(trajectory.episode_id, []), key=lambda c: c.index_in_episode):
             captured += call.completion_ids
             prefixes.append(list(captured))
-        if policy not in prefixes:  # the row may stop at a continuity break, never elsewhere
+        without_calls += len(prefixes) == 1
+        # The row may stop at a continuity break, never elsewhere; a first call cannot break, so a completed
+        # episode that called the policy trains at least its first call.
+        if policy not in prefixes or (not policy and len(prefixes) > 1 and trajectory.outcome != "error"):
             mismatched.append(trajectory.episode_id)
+        elif trajectory.outcome != "error" and (left := len(prefixes) - 1 - prefixes.index(policy)):
+            breaks, untrained = breaks + 1, untrained + left
     channels = sorted({c.channel for c in calls})
     gates = [
         GateResult(name="calls:attributed", passed=not unattributed and not foreign,
@@ -46,5 +52,7 @@ def call_gates(calls: list[PolicyCall], trajectories: list[Trajectory]) -> tuple
     ]
     metrics = {"policy_calls": len(calls), "unattributed_calls": len(unattributed), "attribution_channels": channels,
                "calls_per_episode": round(len(calls) / max(1, len(episodes)), 3),
-               "calls_of_abandoned_attempts": abandoned}
+               "calls_of_abandoned_attempts": abandoned, "continuity_breaks": breaks, "untrained_calls": untrained,
+               "episodes_without_calls": without_calls,
+               "retried_episodes": len({c.episode_id for c in calls if c.attempt > 1 and c.episode_id is not None})}
     return gates, metrics

@@ -105,7 +105,8 @@ def update_gates(losses: list[float], expected_steps: int, initial_revision: str
     return [
         GateResult(name="update:loss-finite", passed=finite and len(losses) == expected_steps,
                    measured=losses, threshold=f"{expected_steps} finite values",
-                   detail="loss per optimizer step as logged by the trainer"),
+                   detail="loss per optimizer step as logged by the trainer (its word: the host cannot "
+                          "recompute it)", reported_by="adapter"),
         GateResult(name="update:checkpoints-complete", passed=sorted(revisions) == list(range(1, expected_steps + 1)),
                    measured=sorted(revisions), threshold=f"1..{expected_steps}",
                    detail=f"incomplete: {incomplete}" if incomplete else "every step's checkpoint carries its marker"),

@@ -124,6 +124,11 @@ class LightningBackend(RolloutBackend):
                 self.gateway.start()
             self._down = False
 
+    def environment_pids(self) -> list[int]:
+        """agl-server (the harnesses running through it fail with it; they come and go per episode)."""
+        with self._lock:
+            return [self.gateway.process.pid] if self.gateway.alive() and self.gateway.process else []
+
     def kill_environment(self) -> None:
         """SIGKILLs agl-server and every running team harness (all started here)."""
         with self._lock:

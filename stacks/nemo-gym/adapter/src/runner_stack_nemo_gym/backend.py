@@ -120,6 +120,11 @@ class NemoGymBackend(RolloutBackend):
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
 
+    def environment_pids(self) -> list[int]:
+        """The running resources servers (agents and model servers are the harness)."""
+        with self._lock:
+            return [s.process.pid for s in self._servers.values() if s.kind == "resources" and s.alive() and s.process]
+
     def kill_environment(self) -> None:
         """SIGKILLs every resources server started so far (the environment; agents and model servers
         are the harness and stay up)."""

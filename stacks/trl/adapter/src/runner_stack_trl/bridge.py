@@ -19,7 +19,6 @@ from runner_contracts import (
     EpisodeResult,
     EpisodeSpec,
     EvalRecord,
-    FaultSpec,
     JsonlWriter,
     Plan,
     RolloutRequest,
@@ -37,10 +36,9 @@ CONCURRENCY = 4
 
 
 def request_rollouts(service_url: str, episodes: list[EpisodeSpec], server: PolicyServer, plan: Plan,
-                     tokenizer_dir: Path, fault: FaultSpec | None = None) -> RolloutResponse:
+                     tokenizer_dir: Path) -> RolloutResponse:
     batch = RolloutRequest(episodes=episodes, policy_base_url=server.base_url, policy_model=server.model_name,
-                           tokenizer_dir=str(tokenizer_dir), sampling=plan.sampling, concurrency=CONCURRENCY,
-                           fault=fault)
+                           tokenizer_dir=str(tokenizer_dir), sampling=plan.sampling, concurrency=CONCURRENCY)
     reply = post_json(f"{service_url}/rollouts", msgspec.to_builtins(batch), timeout=plan.budget.wall_clock_s)
     response = msgspec.convert(reply, RolloutResponse)
     returned = {result.episode_id for result in response.results}
@@ -77,8 +75,6 @@ class Bridge:
         self.server = server
         self.recorder = recorder
         self.service_url = request.options["rollout_service"]
-        fault = request.options.get("fault")
-        self.fault = msgspec.convert(fault, FaultSpec) if fault else None
         self.batches: list[dict[str, Any]] = []
 
     def rollout_func(self, prompts: list[Any], trainer) -> dict[str, Any]:
@@ -96,27 +92,21 @@ class Bridge:
         if self.recorder is not None:
             self.server.revision = self.recorder.revision(trainer.state.global_step)
         started = time.monotonic()
-        response = request_rollouts(self.service_url, episodes, self.server, self.plan, Path(self.request.policy_dir),
-                                    self.fault)
-        self.fault = None  # injected once, into the first batch
+        response = request_rollouts(self.service_url, episodes, self.server, self.plan, Path(self.request.policy_dir))
         by_id = {result.episode_id: result for result in response.results}
         out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": [],
                                      "env_result": []}
-        breaks = untrained = failed = stack_rows = capture_mismatches = 0
+        stack_rows = 0
         eos = trainer.processing_class.eos_token_id
         for episode, example in zip(episodes, inputs, strict=True):
             result = by_id[episode.episode_id]
             # Only the attempt that completed is trained; an episode given up on trains nothing. A stack
             # with its own token capture (a gateway) supplies the rows; the host audits them against the log.
             served = self.server.calls_of(episode.episode_id, result.attempts)
-            if result.captured_calls is not None:
-                stack_rows += 1
-                captured = [(c.prompt_ids, c.completion_ids) for c in result.captured_calls]
-                capture_mismatches += captured != [(c.prompt_ids, c.completion_ids) for c in served]
+            stack_rows += result.captured_calls is not None
             source = served if result.captured_calls is None else result.captured_calls
             row = chain_calls(source) if result.status == "completed" else None
             if row is None:  # failed, or never reached the policy: an empty, untrained completion
-                failed += 1
                 prompt = trainer.processing_class.apply_chat_template(example["prompt"], tokenize=True,
                                                                       add_generation_prompt=True, return_dict=False)
                 out["prompt_ids"].append(list(prompt))
@@ -124,22 +114,14 @@ class Bridge:
                 out["env_mask"].append([0])
                 out["logprobs"].append([0.0])
             else:
-                breaks += row.breaks
-                untrained += row.untrained_calls
                 out["prompt_ids"].append(row.prompt_ids)
                 out["completion_ids"].append(row.completion_ids)
                 out["env_mask"].append(row.mask)
                 out["logprobs"].append(row.logprobs)
             out["env_result"].append(msgspec.to_builtins(result))
-        self.batches.append({
-            "step": step, "episodes": len(episodes), "continuity_breaks": breaks, "untrained_calls": untrained,
-            "episodes_without_calls": failed,
-            "rows_from_stack_capture": stack_rows, "stack_capture_mismatches": capture_mismatches,
-            "failed_episodes": sum(1 for r in response.results if r.status != "completed"),
-            "retried_episodes": sum(1 for r in response.results if r.attempts > 1),
-            "environment_restarts": response.environment_restarts, "faults_injected": response.faults_injected,
-            "rollout_s": round(time.monotonic() - started, 3),
-        })
+        # The host derives failures, retries and continuity from the trajectories and the call log.
+        self.batches.append({"step": step, "episodes": len(episodes), "rows_from_stack_capture": stack_rows,
+                             "rollout_s": round(time.monotonic() - started, 3)})
         return out
 
 

@@ -110,6 +110,13 @@ class VerifiersBackend(RolloutBackend):
                 self._retire(old)  # a running env server whose tool server died goes too
             self._server = self._spawn()
 
+    def environment_pids(self) -> list[int]:
+        """The env server and the helpers every rollout needs (its tool server, its fork server)."""
+        server = self._server
+        if server is None or not server.alive():
+            return []
+        return [server.process.pid, *(pid for pid, _ in server.helpers)]
+
     def kill_environment(self) -> None:
         """SIGKILLs the env server and every process it started (rollout harness programs, MCP tool servers)."""
         server = self._server
