@@ -75,6 +75,9 @@ def run(request):
             "escaped": try_write(Path.cwd().parent / f"escaped-{Path.cwd().name}")})
     if request.plan.name == "exit-without-result":  # a misbehaving stack
         os._exit(0)
+    if request.plan.name == "malformed-trajectory":  # a record missing its fields, then one cut off mid-line
+        Path("trajectories.jsonl").write_text('{"contract": "trajectory", "version": 1, "run_id": "r"}\\n{"contr')
+        return StageResult(stage=request.stage)
     if request.plan.name == "fill-the-disk" and (Path(request.policy_dir) / "fill-the-disk").exists():
         with open("trajectories.jsonl.partial", "wb", buffering=0) as out:  # until not one byte is left
             for size in (1 << 16, 1 << 10, 1):
@@ -118,7 +121,7 @@ def stack(tmp_path_factory):
         lock = "requirements.lock"
         adapter = "echo_adapter:run"
         adapter_package = "adapter"
-        stages = ["probe"]
+        stages = ["probe", "rollout"]
         capabilities = ["cpu"]
         [upstream]
         name = "msgspec"
@@ -394,3 +397,29 @@ def test_without_bubblewrap_jobs_run_as_plain_processes_and_say_so(monkeypatch):
         assert found.describe() == "none (jobs run as plain processes: bwrap not found; install the bubblewrap package)"
     finally:
         sandbox.local_sandbox.cache_clear()
+
+
+def test_a_malformed_trajectory_file_fails_its_stage_naming_file_line_and_field(stack, engine, tmp_path):
+    """An adapter that writes a trajectory record missing its fields: the stage fails with the file, the line
+    and the field, one line, no traceback; the file stays for the post-mortem."""
+    import subprocess
+    import sys
+
+    engine.prepare(stack)
+    policy = stand_in_checkpoint(tmp_path / "policy")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.read_text().replace("name: calc-tool-cpu", "name: malformed-trajectory").replace(
+        "  kind: tiny ", f"  path: {policy}\n  kind: path "))
+    run_dir = tmp_path / "run"
+    result = subprocess.run([str(Path(sys.executable).parent / "runner"), "qualify", "--stack", "echo", "--plan",
+                             str(plan), "--stages", "rollout", "--run-dir", str(run_dir)],
+                            capture_output=True, text=True,
+                            env={**os.environ, "RUNNER_STACKS_DIR": str(stack.folder.parent),
+                                 "RUNNER_CACHE_DIR": str(engine.root.parent)})
+    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr, result.stderr
+    stage = run_dir / "stages" / "rollout"
+    evidence = json.loads((stage / "evidence.json").read_text())
+    assert evidence["status"] == "error" and evidence["error"]["kind"] == "contract-violation", evidence
+    message = evidence["error"]["message"]
+    assert "trajectories.jsonl:1" in message and "`stack`" in message, message  # the first field missing
+    assert (stage / "trajectories.jsonl").read_text().startswith('{"contract": "trajectory"')
