@@ -6,8 +6,12 @@ pip, process groups and timeouts are all real.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
+import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -75,6 +79,8 @@ def run(request):
             "escaped": try_write(Path.cwd().parent / f"escaped-{Path.cwd().name}")})
     if request.plan.name == "exit-without-result":  # a misbehaving stack
         os._exit(0)
+    if request.plan.name == "hang":
+        time.sleep(600)
     if request.plan.name == "malformed-trajectory":  # a record missing its fields, then one cut off mid-line
         Path("trajectories.jsonl").write_text('{"contract": "trajectory", "version": 1, "run_id": "r"}\\n{"contr')
         return StageResult(stage=request.stage)
@@ -191,8 +197,6 @@ def test_timeout_kills_the_process_group(stack, engine, tmp_path):
 
 def test_probe_gate_names_the_drifted_package(stack, engine, tmp_path):
     """A real drift: a different msgspec is installed into the built environment after the fact."""
-    import subprocess
-    import sys
 
     env = engine.prepare(stack)
     policy = stand_in_checkpoint(tmp_path / "policy")
@@ -220,8 +224,6 @@ def test_probe_gate_names_the_drifted_package(stack, engine, tmp_path):
 
 def test_adapter_dies_with_the_runner(stack, engine, tmp_path):
     """SIGKILL the host process: its adapter must not outlive it (parent-death signal)."""
-    import subprocess
-    import sys
     import time
 
     engine.prepare(stack)  # built here, so the killed runner below only starts the adapter
@@ -244,8 +246,6 @@ def test_adapter_dies_with_the_runner(stack, engine, tmp_path):
 
 def _prepare_in_a_process(stack, cache: Path, **popen):
     """Another runner process preparing the echo stack's environment in `cache`; it prints the engine's log."""
-    import subprocess
-    import sys
 
     script = (f"from runner._engines.local import LocalEngine; from runner._stacks import load_manifest; "
               f"from pathlib import Path; "
@@ -286,8 +286,6 @@ def test_a_build_killed_half_way_is_rebuilt_not_used(stack, tmp_path):
 
 
 def test_an_adapter_that_exits_0_without_a_result_fails_its_stage(stack, engine, tmp_path):
-    import subprocess
-    import sys
 
     engine.prepare(stack)
     plan = tmp_path / "plan.yaml"
@@ -306,7 +304,6 @@ def test_an_adapter_that_exits_0_without_a_result_fails_its_stage(stack, engine,
 @pytest.fixture
 def small_disk(tmp_path):
     """A 4 MiB tmpfs mounted for the test (needs root in this mount namespace); unmounted afterwards."""
-    import subprocess
 
     mount = tmp_path / "disk"
     mount.mkdir()
@@ -318,23 +315,13 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_during_a_stage_is_one_line_keeps_every_file_and_resumes(stack, engine, tmp_path, small_disk):
-    import subprocess
-    import sys
 
-    engine.prepare(stack)
-    policy = stand_in_checkpoint(tmp_path / "policy")
-    (policy / "fill-the-disk").touch()  # inside an input: the only host paths a sandboxed job sees
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(PLAN.read_text().replace("name: calc-tool-cpu", "name: fill-the-disk").replace(
-        "  kind: tiny ", f"  path: {policy}\n  kind: path "))
+    plan = echo_plan(stack, engine, tmp_path, "fill-the-disk")
+    (tmp_path / "policy" / "fill-the-disk").touch()  # inside an input: the only host paths a sandboxed job sees
     run_dir = small_disk / "run"
 
     def qualify(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(Path(sys.executable).parent / "runner"), "qualify", "--stack", "echo", "--plan",
-                               str(plan), "--stages", "probe", "--run-dir", str(run_dir), *extra],
-                              capture_output=True, text=True,
-                              env={**os.environ, "RUNNER_STACKS_DIR": str(stack.folder.parent),
-                                   "RUNNER_CACHE_DIR": str(engine.root.parent)})
+        return qualify_echo(stack, engine, plan, run_dir, "probe", *extra)
 
     full = qualify()
     assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr
@@ -347,7 +334,7 @@ def test_a_full_disk_during_a_stage_is_one_line_keeps_every_file_and_resumes(sta
     assert not list(stage.glob(".*.tmp"))  # no half-written twin of a file runner tried to write
 
     # Space freed (the tmpfs grown, as a user would clean up elsewhere): --resume sets the stage aside.
-    (policy / "fill-the-disk").unlink()
+    (tmp_path / "policy" / "fill-the-disk").unlink()
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
     resumed = qualify("--resume")
     assert resumed.returncode == 0, resumed.stderr
@@ -402,20 +389,8 @@ def test_without_bubblewrap_jobs_run_as_plain_processes_and_say_so(monkeypatch):
 def test_a_malformed_trajectory_file_fails_its_stage_naming_file_line_and_field(stack, engine, tmp_path):
     """An adapter that writes a trajectory record missing its fields: the stage fails with the file, the line
     and the field, one line, no traceback; the file stays for the post-mortem."""
-    import subprocess
-    import sys
-
-    engine.prepare(stack)
-    policy = stand_in_checkpoint(tmp_path / "policy")
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(PLAN.read_text().replace("name: calc-tool-cpu", "name: malformed-trajectory").replace(
-        "  kind: tiny ", f"  path: {policy}\n  kind: path "))
     run_dir = tmp_path / "run"
-    result = subprocess.run([str(Path(sys.executable).parent / "runner"), "qualify", "--stack", "echo", "--plan",
-                             str(plan), "--stages", "rollout", "--run-dir", str(run_dir)],
-                            capture_output=True, text=True,
-                            env={**os.environ, "RUNNER_STACKS_DIR": str(stack.folder.parent),
-                                 "RUNNER_CACHE_DIR": str(engine.root.parent)})
+    result = qualify_echo(stack, engine, echo_plan(stack, engine, tmp_path, "malformed-trajectory"), run_dir, "rollout")
     assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr, result.stderr
     stage = run_dir / "stages" / "rollout"
     evidence = json.loads((stage / "evidence.json").read_text())
@@ -423,3 +398,37 @@ def test_a_malformed_trajectory_file_fails_its_stage_naming_file_line_and_field(
     message = evidence["error"]["message"]
     assert "trajectories.jsonl:1" in message and "`stack`" in message, message  # the first field missing
     assert (stage / "trajectories.jsonl").read_text().startswith('{"contract": "trajectory"')
+
+
+def test_a_stage_that_hangs_ends_at_the_plans_wall_clock(stack, engine, tmp_path):
+    """A job that never returns: the stage's jobs together get budget.wall_clock_s, then the job's process
+    group is killed and the stage fails as a timeout, a few seconds later at most."""
+    run_dir = tmp_path / "run"
+    result = qualify_echo(stack, engine, echo_plan(stack, engine, tmp_path, "hang", wall_clock_s=3), run_dir, "rollout")
+    assert result.returncode == 1 and "Traceback" not in result.stdout + result.stderr, result.stderr
+    evidence = json.loads((run_dir / "stages" / "rollout" / "evidence.json").read_text())
+    assert evidence["error"]["kind"] == "timeout" and "3 s per stage" in evidence["error"]["message"], evidence
+    took = dt.datetime.fromisoformat(evidence["finished_at"]) - dt.datetime.fromisoformat(evidence["started_at"])
+    assert took.total_seconds() < 3 + 30  # the deadline plus the kill and the audit, not the job's 600 s
+
+
+def echo_plan(stack, engine, tmp_path: Path, name: str, **budget: float) -> Path:
+    """The calc-tool plan under another name (the echo adapter's behaviour switch) on a stand-in checkpoint."""
+    engine.prepare(stack)
+    policy = stand_in_checkpoint(tmp_path / "policy")
+    text = PLAN.read_text().replace("name: calc-tool-cpu", f"name: {name}").replace(
+        "  kind: tiny ", f"  path: {policy}\n  kind: path ")
+    for key, value in budget.items():
+        text = re.sub(rf"(?m)^  {key}: .*$", f"  {key}: {value}", text)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(text)
+    return plan
+
+
+def qualify_echo(stack, engine, plan: Path, run_dir: Path, stages: str, *extra: str) -> subprocess.CompletedProcess:
+    """`runner qualify --stack echo` with the test's stack folder and cache."""
+    return subprocess.run([str(Path(sys.executable).parent / "runner"), "qualify", "--stack", "echo", "--plan",
+                           str(plan), "--stages", stages, "--run-dir", str(run_dir), *extra],
+                          capture_output=True, text=True,
+                          env={**os.environ, "RUNNER_STACKS_DIR": str(stack.folder.parent),
+                               "RUNNER_CACHE_DIR": str(engine.root.parent)})

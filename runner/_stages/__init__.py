@@ -40,7 +40,7 @@ __all__ = ["RECIPE_STAGES", "STAGES", "TRIAL_STAGES", "Arm", "default_run_dir", 
 
 def run_stage(arm: Arm, stage: str) -> Evidence:
     started = now()
-    arm.current_stage = stage
+    arm.start_stage(stage)
     arm.stage_dir(stage).mkdir(parents=True, exist_ok=True)
     try:
         output = STAGE_FUNCTIONS[stage](arm)

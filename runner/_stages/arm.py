@@ -64,6 +64,12 @@ class Arm:
     provenance: Provenance | None = None  # computed once per arm, written into each stage's evidence
     trial_seed: int | None = None  # the plan seed this arm's train and evaluate stages sample with
     current_stage: str | None = None  # set by run_stage
+    stage_deadline: float | None = None  # time.monotonic() by which the current stage's jobs must end
+
+    def start_stage(self, stage: str) -> None:
+        """The stage's clock: all of its jobs together get the plan's budget.wall_clock_s."""
+        self.current_stage = stage
+        self.stage_deadline = time.monotonic() + self.plan.budget.wall_clock_s
 
     def request_plan(self) -> Plan:
         """The plan a job is given: in the train and evaluate stages, sampling with the trial's seed (the
@@ -179,7 +185,12 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
                            out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir), steps=steps,
                            resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
     peer = arm.service if arm.service_env is not None and not in_stack_env else None
-    outcome = arm.engine.run(env, request, timeout_s=arm.plan.budget.wall_clock_s, kill_when=kill_when, peer=peer)
+    left = (arm.stage_deadline - time.monotonic()) if arm.stage_deadline is not None else arm.plan.budget.wall_clock_s
+    if left <= 0:
+        raise AdapterFailed(ErrorInfo(kind="timeout", message=f"{arm.current_stage or stage} used up the plan's "
+                                      f"wall_clock_s ({arm.plan.budget.wall_clock_s:g} s per stage) before its "
+                                      f"{stage} job"))
+    outcome = arm.engine.run(env, request, timeout_s=left, kill_when=kill_when, peer=peer)
     for log in (outcome.stdout, outcome.stderr):
         redact_file(log)
     if not outcome.ok and not in_stack_env:
@@ -195,8 +206,9 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
     if outcome.killed and allow_kill:
         return outcome, result
     if outcome.timed_out:
-        raise AdapterFailed(ErrorInfo(kind="timeout", message=f"{stage} exceeded the plan's wall_clock_s "
-                                      f"({arm.plan.budget.wall_clock_s:g} s); process group killed"))
+        raise AdapterFailed(ErrorInfo(kind="timeout", message=f"{arm.current_stage or stage} exceeded the plan's "
+                                      f"wall_clock_s ({arm.plan.budget.wall_clock_s:g} s per stage, all its jobs "
+                                      f"together); process group killed"))
     if outcome.ok and result is None:
         raise AdapterFailed(ErrorInfo(kind="missing-result", message=f"the adapter exited 0 without writing "
                                       f"{out_dir / 'result.json'} (logs: {outcome.stderr})"))
