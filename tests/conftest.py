@@ -66,7 +66,9 @@ def rollout_tokens(run_dir: Path) -> dict[str, list]:
 
 
 COMPARED_ARMS = ["trl", "nemo-gym", "openenv", "verifiers", "lightning-verl", "skyrl-gym"]
-CALC_PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml"
+# The suite's end-to-end runs (the session comparison and the runs compared with it): the demo's plan at half
+# its sizes.
+CALC_PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu-suite.yaml"
 
 
 # Planted in the comparison's environment; no file the run writes may contain one (test_e2e_compare).

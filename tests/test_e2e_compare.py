@@ -79,7 +79,7 @@ def test_comparison_carries_the_figures(comparison):
         assert mismatch["stage"] == "train" and abs(mismatch["median_token_mult_prob_error"] - 1) < 1e-3
         assert 0 < arm["evaluation"]["heldout"]["detectable_difference"] <= 1
     heldout = data["arm_tests"]["heldout"]  # every pair of the six arms on the same held-out items
-    assert len(heldout["pairs"]) == 15 and {p["n"] for p in heldout["pairs"]} == {48}
+    assert len(heldout["pairs"]) == 15 and {p["n"] for p in heldout["pairs"]} == {24}
     twins = [p for p in heldout["pairs"] if "trl" not in (p["first"], p["second"])]
     assert {p["verdict"] for p in twins} == {"indistinguishable"}  # the same weights solve the same items
 

@@ -32,8 +32,8 @@ def runner(*args: str, check: bool = False) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def demo_run(local_comparison) -> Path:
-    """The trl arm of the session's comparison (what `make demo` runs, on this plan): one run of the arm
-    serves every test here instead of a second qualification of the same plan."""
+    """The trl arm of the session's comparison (what `make demo` runs, on the demo plan at half its sizes):
+    one run of the arm serves every test here instead of a second qualification."""
     return local_comparison[0] / "arms" / "trl"
 
 
