@@ -52,5 +52,5 @@ def test_a_lying_stack_fails_every_gate_it_lies_to(tmp_path):
     assert gates["recovery:no-episode-lost"].passed
 
     # The one figure only the adapter knows is marked as its word.
-    update = read_record(arm.stage_dir("rollout") / "result.json", StageResult)
-    assert "batches" in update.metrics and "batches" in rollout.metrics["reported_by_adapter"]
+    result = read_record(arm.stage_dir("rollout") / "result.json", StageResult)
+    assert "batches" in result.metrics and "batches" in rollout.metrics["reported_by_adapter"]

@@ -47,7 +47,6 @@ def environment_arm_audit(arm: Arm, out: Path, result: StageResult | None) -> tu
         return [], {}
     trajectories = read_any(out, "trajectories.jsonl", Trajectory)
     gates, metrics = call_gates(read_any(out, "calls.jsonl", PolicyCall), trajectories)
-    metrics["failed_episodes"] = sum(1 for t in trajectories if t.outcome == "error")
     stack_rows = sum(batch.get("rows_from_stack_capture", 0) for batch in reported(result, "batches", metrics) or [])
     if stack_rows:
         metrics["rows_from_stack_capture"] = stack_rows

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 
+from qualification.gates import call_gates
 from runner_contracts import ENVIRONMENT_FILE, PARTIAL_SUFFIX, GateResult, PolicyCall, Trajectory, write_atomic
 
 from .arm import Arm, StageOutput, now, read_any, run_adapter
@@ -103,13 +104,12 @@ def _injected_crash(arm: Arm, out: Path) -> tuple[list[GateResult], dict[str, An
         fault["environment_pids_after"], fault["after_error"] = [], f"{type(error).__name__}: {error}"
     write_atomic(out / FAULT_FILE, msgspec.json.encode(fault))
     trajectories = read_any(out, "trajectories.jsonl", Trajectory)
-    calls = read_any(out, "calls.jsonl", PolicyCall)
+    _, accounting = call_gates(read_any(out, "calls.jsonl", PolicyCall), trajectories)
     returned = {t.episode_id for t in trajectories}
     killed, after = fault["killed"], fault["environment_pids_after"]
     figures = {"requested": requested, "returned": len(returned), "lost": requested - len(returned),
                "killed_pids": killed, "environment_pids_after": after,
-               "retried_episodes": len({c.episode_id for c in calls if c.attempt > 1}),
-               "failed_episodes": sum(1 for t in trajectories if t.outcome == "error")}
+               "retried_episodes": accounting["retried_episodes"], "failed_episodes": accounting["failed_episodes"]}
     reported = fault.get("environment_pids", [])
     foreign = sorted(set(reported) - set(killed))
     hit = figures["retried_episodes"] + figures["failed_episodes"]

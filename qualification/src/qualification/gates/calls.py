@@ -54,5 +54,6 @@ def call_gates(calls: list[PolicyCall], trajectories: list[Trajectory]) -> tuple
                "calls_per_episode": round(len(calls) / max(1, len(episodes)), 3),
                "calls_of_abandoned_attempts": abandoned, "continuity_breaks": breaks, "untrained_calls": untrained,
                "episodes_without_calls": without_calls,
+               "failed_episodes": sum(1 for t in trajectories if t.outcome == "error"),
                "retried_episodes": len({c.episode_id for c in calls if c.attempt > 1 and c.episode_id is not None})}
     return gates, metrics
