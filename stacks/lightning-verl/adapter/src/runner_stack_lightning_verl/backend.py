@@ -3,7 +3,8 @@
 Per episode (one Agent Lightning rollout per attempt, as its local controller runs them):
 1. enqueue a rollout in agl-server's store (`POST /api/rollouts`, metadata.episode_id = the wire id) and
    mark it running with attempt "0";
-2. run the team harness (`team_agent.py`, a separate program) as a subprocess in its own session, whose
+2. run the team harness (`team_agent.py`, a separate program) as a subprocess in its own session (through
+   runner_kit.prefork's launcher: a fork of an interpreter that imported it and the OpenAI SDK once), whose
    only model setting is OPENAI_BASE_URL = the gateway's per-rollout proxy URL
    `/proxy/rollout/<rid>/attempt/0/mode/train/openai/v1`;
 3. the gateway forwards every call to the policy at `<policy root>/episodes/<episode id>/v1` (see
@@ -25,21 +26,27 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 from qualification.tasks import Score, TaskItem, ToolCall, Transcript, get_family
 from runner_contracts import CapturedCall, EpisodeResult, EpisodeSpec, ToolCallRecord
+from runner_kit.prefork import OPENAI_MODULES, start_prefork
 from runner_kit.processes import ServerProcess, bind_loopback, spawn
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
+TEAM_AGENT = Path(__file__).with_name("team_agent.py")  # run as a program, never imported here
+HARNESS_MODULES = [*OPENAI_MODULES, "qualification.tasks", "runner_kit.policy"]
 ATTEMPT = "0"  # agentlightning.schemas.DEFAULT_ATTEMPT_ID: a retry is a new rollout, as agl-controller runs them
 
 
@@ -115,11 +122,15 @@ class LightningBackend(RolloutBackend):
         self._harnesses: set[subprocess.Popen] = set()
         self._harness_lock = threading.Lock()
         self._down = False  # killed (fault injection or crash) and not yet restarted
+        self._prefork: tuple[subprocess.Popen, Path] | None = None  # the harness's fork server and launcher
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> None:
         with self._lock:
+            if self._prefork is None:
+                self._prefork = start_prefork(Path(tempfile.mkdtemp(prefix="agl-harness-")), TEAM_AGENT,
+                                              HARNESS_MODULES)
             if not self.gateway.alive():
                 self.gateway.start()
             self._down = False
@@ -147,18 +158,26 @@ class LightningBackend(RolloutBackend):
         self.kill_harnesses()
         with self._lock:
             self.gateway.stop()
+            if self._prefork is not None:
+                self._prefork[0].kill()
+                self._prefork[0].wait()
+                shutil.rmtree(self._prefork[1].parent.parent, ignore_errors=True)
+                self._prefork = None
 
     def running_harnesses(self) -> list[subprocess.Popen]:
         with self._harness_lock:
             return [p for p in self._harnesses if p.poll() is None]
 
-    def kill_harnesses(self) -> None:
-        """SIGKILLs the running team harnesses only (agl-server stays up)."""
+    def kill_harnesses(self) -> int:
+        """SIGKILLs the running team harnesses only (agl-server stays up); how many were still running."""
+        killed = 0
         for process in self.running_harnesses():
             try:
                 os.killpg(process.pid, signal.SIGKILL)  # its own session: the harness and anything it started
+                killed += 1
             except ProcessLookupError:
                 pass
+        return killed
 
     def _gateway_for(self, policy: PolicyEndpoint) -> tuple[Gateway, int]:
         """The running gateway, configured for this policy, and its start count: model name and temperature
@@ -248,7 +267,8 @@ class LightningBackend(RolloutBackend):
         env = {**os.environ,
                "OPENAI_BASE_URL": f"{gateway.url}/proxy/rollout/{rollout_id}/attempt/{ATTEMPT}/mode/train/openai/v1",
                "OPENAI_API_KEY": gateway.key, "OPENAI_MODEL": model}
-        process = subprocess.Popen([sys.executable, "-m", "runner_stack_lightning_verl.team_agent"], env=env,
+        interpreter = str(self._prefork[1]) if self._prefork else sys.executable
+        process = subprocess.Popen([interpreter, str(TEAM_AGENT)], env=env,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, start_new_session=True)
         with self._harness_lock:
@@ -263,8 +283,11 @@ class LightningBackend(RolloutBackend):
         finally:
             with self._harness_lock:
                 self._harnesses.discard(process)
-        if process.returncode < 0:
-            raise EnvironmentDown(f"team harness killed by signal {-process.returncode}")
+        # The launcher reports a child killed by signal N as 128 + N; a launcher killed itself is -N.
+        killed_by = -process.returncode if process.returncode < 0 else \
+            process.returncode - 128 if self._prefork and process.returncode > 128 else 0
+        if killed_by:
+            raise EnvironmentDown(f"team harness killed by signal {killed_by}")
         if process.returncode != 0:
             raise RuntimeError(f"team harness exited with {process.returncode}: {err.strip()[-1500:]}")
         return json.loads(out.strip().splitlines()[-1])

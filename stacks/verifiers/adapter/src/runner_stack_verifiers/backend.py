@@ -28,6 +28,7 @@ from typing import Any
 
 from qualification.tasks import TaskItem
 from runner_contracts import EpisodeResult, EpisodeSpec, ErrorInfo, ToolCallRecord
+from runner_kit.prefork import FORK_SERVER_MODULE
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
 READY_TIMEOUT_S = 180.0
@@ -39,7 +40,6 @@ RECYCLE_AFTER_EPISODES = 500
 # Trace errors that mean the environment (not the policy or the episode) failed; the episode is retried.
 ENVIRONMENT_ERRORS = {"ToolsetError", "SandboxError"}
 TOOL_SERVER_MODULE = "runner_stack_verifiers.toolset"
-FORK_SERVER_MODULE = "runner_stack_verifiers.prefork"
 
 
 @dataclass

@@ -5,7 +5,7 @@ Run as `python -m runner_stack_verifiers.envserver READY_FILE [MAX_CONCURRENT]`:
 tcp://127.0.0.1 on a free port and writes the bound address to READY_FILE; it answers verifiers' health
 request once the env serves, and runs until SIGTERM (or its parent's death). Serving starts the taskset's MCP
 tool server (runner_stack_verifiers.toolset, shared by all rollouts) and the chat program's fork server
-(runner_stack_verifiers.prefork); each rollout runs the null harness's chat program as its own subprocess.
+(runner_kit.prefork); each rollout runs the null harness's chat program as its own subprocess.
 """
 
 from __future__ import annotations
@@ -14,11 +14,15 @@ import asyncio
 import hashlib
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from runner_kit.prefork import OPENAI_MODULES, start_prefork
 from runner_kit.processes import die_with_parent
+
+# What the null harness's chat program imports beyond the OpenAI SDK's: warmed in its fork server.
+CHAT_PROGRAM_MODULES = [*OPENAI_MODULES, "argparse", "tenacity", "httpx2", "httpcore2", "truststore", "mcp",
+                        "mcp.client.streamable_http"]
 
 TASKSET_ID = "runner_stack_verifiers"
 
@@ -56,24 +60,6 @@ def use_environment_python_for_chat_program(interpreter: str = sys.executable) -
     return path
 
 
-def start_prefork(directory: Path, script: Path) -> tuple[subprocess.Popen, Path] | None:
-    """Starts the chat program's fork server (a child of this process) and writes its launcher; None when
-    disabled (RUNNER_VF_PREFORK=0) or when no socket path fits."""
-    from .prefork import write_launcher
-
-    if os.environ.get("RUNNER_VF_PREFORK", "1") == "0":
-        return None
-    directory.mkdir(parents=True, exist_ok=True)
-    socket_path = directory / "sock"
-    if len(str(socket_path)) > 100:  # AF_UNIX paths are limited to 108 bytes
-        logging.getLogger(__name__).warning("no fork server: socket path %s is too long", socket_path)
-        return None
-    launcher = write_launcher(directory, str(socket_path))
-    process = subprocess.Popen([sys.executable, "-m", "runner_stack_verifiers.prefork", str(socket_path), str(script)],
-                               stdin=subprocess.DEVNULL)
-    return process, launcher
-
-
 def main(argv: list[str]) -> int:
     from verifiers.v1.serve.pool import _arm_teardown
     from verifiers.v1.serve.server import EnvServer
@@ -85,7 +71,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=os.environ.get("RUNNER_VF_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     script = use_environment_python_for_chat_program()
-    prefork = start_prefork(ready.parent / f"prefork-{os.getpid()}", script)
+    prefork = start_prefork(ready.parent / f"prefork-{os.getpid()}", script, CHAT_PROGRAM_MODULES)
     if prefork is not None:
         use_environment_python_for_chat_program(str(prefork[1]))
     server = EnvServer(env_config(), address="tcp://127.0.0.1:0", max_concurrent=max_concurrent)

@@ -1,15 +1,16 @@
-"""A fork server for the null harness's chat program, so a rollout does not pay a Python start and the
-import of openai, httpx and the MCP client (~1 s of CPU) before its first model call.
+"""A fork server for a program a rollout runs once per episode (a harness, a chat program), so an episode
+does not pay a Python start and the import of openai and httpx (~1-1.5 s of CPU) before its first model call.
 
-The env server starts it once (`python -m runner_stack_verifiers.prefork SOCKET SCRIPT`): it compiles the
-chat program, imports what the program imports, and forks one child per request. The subprocess runtime
-still runs the program per rollout as before, `sh -c '... exec "$@"' uv-script VENV INTERPRETER SCRIPT ARGS`,
-only INTERPRETER is the launcher this module writes (`<dir>/bin/python`, a `python -S` script): it hands
-its argv, working directory, environment and stdio descriptors to the fork server and exits with the
-child's status. The child runs the unchanged program as `__main__` with exactly those. When the launcher
-dies (the runtime SIGKILLs its process group on cancellation) the fork server SIGKILLs the child's group; the
-child dies with the fork server, which dies with the env server. When the fork server cannot be reached,
-the launcher execs the real interpreter (a plain start, as without the fork server).
+A backend starts it once (`start_prefork(directory, script, warm_modules)`, which runs
+`python -m runner_kit.prefork SOCKET SCRIPT MODULE...`): it compiles the program, imports the modules and the
+program's own top level, and forks one child per request. The backend still runs the program per episode
+as before, only through the launcher this module writes (`<dir>/bin/python`, a `python -SE` script) instead
+of the interpreter: the launcher hands its argv, working directory, environment and stdio descriptors to
+the fork server and exits with the child's status (128 + N when signal N killed it, as a shell reports).
+The child runs the unchanged program as `__main__` with exactly those. When the launcher dies (the backend
+SIGKILLs its process group) the fork server SIGKILLs the child's group; the child dies with the fork
+server, which dies with the backend. When the fork server cannot be reached, the launcher execs the real
+interpreter (a plain start, as without the fork server). RUNNER_PREFORK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import selectors
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import traceback
 import types
@@ -30,17 +32,18 @@ from pathlib import Path
 
 from runner_kit.processes import die_with_parent
 
-log = logging.getLogger("runner_stack_verifiers.prefork")
+log = logging.getLogger("runner_kit.prefork")
 
-# What the chat program imports, at its top or lazily (openai's resources on first use, the MCP client, the
-# HTTP transports when a client is built): imported once here, before any fork.
-WARM_MODULES = ["asyncio", "argparse", "certifi", "tenacity", "anyio", "anyio._backends._asyncio", "anyio.streams.tls",
-                "anyio.streams.stapled", "httpx", "httpcore", "h11", "openai", "openai.resources",
-                "openai.lib.streaming.chat", "httpx2", "httpcore2", "truststore", "mcp", "mcp.client.streamable_http"]
+# What a program behind the OpenAI SDK imports lazily (openai's resources on first use, the HTTP transports
+# when a client is built); a backend adds its program's own.
+OPENAI_MODULES = ["asyncio", "certifi", "anyio", "anyio._backends._asyncio", "anyio.streams.tls",
+                  "anyio.streams.stapled", "httpx", "httpcore", "h11", "openai", "openai.resources",
+                  "openai.lib.streaming.chat"]
+FORK_SERVER_MODULE = "runner_kit.prefork"
 HEADER = struct.Struct("!Q")
 
 LAUNCHER = r'''#!{python} -SE
-# Written by runner_stack_verifiers.prefork: runs a script in a child of the fork server at {socket!r}.
+# Written by runner_kit.prefork: runs a script in a child of the fork server at {socket!r}.
 import array, json, os, socket, struct, sys
 SOCKET, PYTHON = {socket!r}, {python!r}
 def plain():
@@ -81,9 +84,26 @@ def write_launcher(directory: Path, socket_path: str, python: str = sys.executab
     return launcher
 
 
-def _warm(script: str) -> types.CodeType:
+def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> tuple[subprocess.Popen, Path] | None:
+    """Starts the program's fork server (a child of this process; start it from a thread that lives as long
+    as the server should: it dies with that thread) and writes its launcher; None when turned off
+    (RUNNER_PREFORK=0) or when no socket path fits under `directory`."""
+    if os.environ.get("RUNNER_PREFORK", "1") == "0":
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    socket_path = directory / "sock"
+    if len(str(socket_path)) > 100:  # AF_UNIX paths are limited to 108 bytes
+        log.warning("no fork server: socket path %s is too long", socket_path)
+        return None
+    launcher = write_launcher(directory, str(socket_path))
+    process = subprocess.Popen([sys.executable, "-m", FORK_SERVER_MODULE, str(socket_path), str(script), *warm_modules],
+                               stdin=subprocess.DEVNULL)
+    return process, launcher
+
+
+def _warm(script: str, warm_modules: list[str]) -> types.CodeType:
     code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
-    for name in WARM_MODULES:
+    for name in warm_modules:
         try:
             __import__(name)
         except Exception:  # noqa: BLE001 - a module the program does not need here is simply not warmed
@@ -183,13 +203,13 @@ def _child(request: dict, fds: list[int], code: types.CodeType, script: str, lau
         os._exit(status & 0xFF)
 
 
-def serve(socket_path: str, script: str) -> None:
+def serve(socket_path: str, script: str, warm_modules: list[str]) -> None:
     die_with_parent()
     launcher_bin = str(Path(socket_path).parent / "bin")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(256)  # launchers queue here while the imports below run
-    code = _warm(script)
+    code = _warm(script, warm_modules)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -284,10 +304,10 @@ def main(argv: list[str]) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.addHandler(handler)
-    log.setLevel(os.environ.get("RUNNER_VF_LOG", "INFO"))
+    log.setLevel(os.environ.get("RUNNER_PREFORK_LOG", "INFO"))
     log.propagate = False
     try:
-        serve(argv[0], argv[1])
+        serve(argv[0], argv[1], argv[2:])
     except KeyboardInterrupt:
         pass
     return 0
