@@ -8,6 +8,7 @@ DEMO_STACKS ?= trl,openenv
 DEMO_ENGINE ?= local
 STAMP   = $(VENV)/.installed
 TEST_STAMP = $(VENV)/.installed-test
+BENCH_STAMP = $(VENV)/.installed-bench
 
 .PHONY: demo test test-fast bench schema lint clean python-deps system-deps
 
@@ -22,6 +23,10 @@ $(STAMP): pyproject.toml contracts/pyproject.toml qualification/pyproject.toml k
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
 	touch $(TEST_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[bench]'
+	touch $(BENCH_STAMP)
 
 # Debian packages. The demo needs Python 3.11 with venv (host and stacks) and bubblewrap (the local
 # engine's sandbox; without it jobs run unsandboxed and the evidence says so); the suite also
@@ -50,7 +55,7 @@ test: system-deps $(TEST_STAMP)
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -ra -m 'not slow'
 
-bench: system-deps $(STAMP)
+bench: system-deps $(BENCH_STAMP)
 	$(BIN)/python bench/bench_validate.py
 	$(BIN)/python bench/bench_overhead.py
 	$(BIN)/python bench/bench_environments.py

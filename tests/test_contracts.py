@@ -73,6 +73,31 @@ def test_reader_names_line_and_field(tmp_path, episodes):
     assert (error.value.line, error.value.field) == (2, "segments[1].token_ids[0]")
 
 
+def test_reader_yields_every_line_and_stops_at_the_bad_one(tmp_path, episodes):
+    """Line numbers, start_line, a bad record and a blank line (the records before them are read), and an
+    unterminated last line (skipped only when allowed)."""
+    trajectories, _ = episodes
+    lines = [encode(t).decode() for t in trajectories]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(line + "\n" for line in lines))
+    assert [n for n, _ in iter_jsonl(path, Trajectory)] == list(range(1, len(lines) + 1))
+    assert [r for _, r in iter_jsonl(path, Trajectory, start_line=3)] == trajectories[2:]
+    bad = json.loads(lines[0])
+    bad["reward"] = "high"
+    for broken, (line, field) in [([*lines[:3], json.dumps(bad), *lines[3:]], (4, "reward")),
+                                  ([*lines[:2], "  ", *lines[2:]], (3, "(line)"))]:
+        path.write_text("".join(line + "\n" for line in broken))
+        read = []
+        with pytest.raises(RecordError) as error:
+            read.extend(r for _, r in iter_jsonl(path, Trajectory))
+        assert (error.value.line, error.value.field) == (line, field) and read == trajectories[:line - 1]
+    path.write_text("".join(line + "\n" for line in lines) + lines[0][:40])
+    assert [r for _, r in iter_jsonl(path, Trajectory, allow_truncated_tail=True)] == trajectories
+    with pytest.raises(RecordError, match="truncated line") as error:
+        list(iter_jsonl(path, Trajectory))
+    assert error.value.line == len(lines) + 1
+
+
 def test_write_atomic_replaces_whole_file(tmp_path):
     target = tmp_path / "x.json"
     write_atomic(target, b"one")

@@ -98,9 +98,15 @@ def iter_jsonl(path: str | os.PathLike[str], record_type: type[R], *,
                 if allow_truncated_tail:
                     return
                 raise RecordError(path, line_no, "(line)", "truncated line: no newline at end of file")
-            if not raw.strip():
+            if raw[:1].isspace() and not raw.strip():  # a record line starts with "{": strip only then
                 raise RecordError(path, line_no, "(line)", "empty line")
-            yield line_no, decode_record(raw, record_type, path, line_no, decoder)
+            try:
+                record = decoder.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                record = None
+            if record is None or getattr(record, "version", SUPPORTED_VERSION) > SUPPORTED_VERSION:
+                record = decode_record(raw, record_type, path, line_no, decoder)  # raises, naming the field
+            yield line_no, record
 
 
 def read_jsonl(path: str | os.PathLike[str], record_type: type[R], **kwargs: Any) -> list[R]:
