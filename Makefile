@@ -60,6 +60,7 @@ bench: system-deps $(BENCH_STAMP)
 	$(BIN)/python bench/bench_overhead.py
 	$(BIN)/python bench/bench_environments.py
 	$(BIN)/python bench/bench_engines.py
+	$(BIN)/python bench/results.py
 
 schema: $(STAMP)
 	$(BIN)/python -m runner_contracts.schema contracts/schema

@@ -15,6 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from results import figure, record
+
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
 sys.path.insert(0, str(ROOT / "tests"))
@@ -55,6 +57,7 @@ def main(repeat: int = 5) -> None:
     print(f"probe stage, median of {repeat}: local {medians['local']:.2f} s, docker {medians['docker']:.2f} s; "
           f"docker / local = {medians['docker'] / medians['local']:.2f}x "
           f"(container overhead {medians['docker'] - medians['local']:+.2f} s per job)")
+    record("engines", [figure("trl probe job in docker", medians["docker"], "s", "local engine", medians["local"])])
 
 
 if __name__ == "__main__":

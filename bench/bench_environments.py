@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from results import figure, record
+
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
 
@@ -59,6 +61,12 @@ def main(episodes: int = 64, steps: int = 500) -> None:
         ratio = f"{adapter / upstream:.2f}" if upstream and adapter else "-"
         print(f"{name:28} {figures['episodes_per_s_concurrency_1']:>10} {figures['episodes_per_s_concurrency_4']:>10} "
               f"{slower:>9.2f} {str(upstream or '-') + ' ms':>13} {str(adapter or '-') + ' ms':>12} {ratio:>6}")
+    reference = baseline["episodes_per_s_concurrency_4"]
+    goals = {"lightning-verl": "#22: >= 11 eps/s (10x the 1.1 at filing)",
+             "verifiers": "#22: >= 11 eps/s (3x the 3.7 at filing)"}
+    record("environments", [figure(f"{name} episodes/s at concurrency 4", figures["episodes_per_s_concurrency_4"],
+                                   "/s", "reference loop on the host", reference, note=goals.get(name, ""))
+                            for name, figures in rows.items() if name in all_stacks()])
     summary = {name: {k: v for k, v in figures.items() if k != "step_latency_s"} for name, figures in rows.items()}
     print(json.dumps(summary, indent=1))
 

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from results import figure, record
+
 ROOT = Path(__file__).resolve().parents[1]
 PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
 
@@ -60,6 +62,10 @@ def main(repeat: int = 3) -> None:
     print(f"probe stage, median of {repeat}")
     for name, seconds in results.items():
         print(f"{name:<8}{seconds:>8.2f} s{seconds / base:>8.2f}x direct")
+    record("overhead", [
+        figure("probe stage through LocalEngine.run", results["engine"], "s", "adapter launched directly", base),
+        figure("probe stage through `runner qualify`", results["cli"], "s", "adapter launched directly", base,
+               goal="<= 1.05")])
 
 
 if __name__ == "__main__":
