@@ -19,7 +19,7 @@ from runner_contracts import sha256_file, write_atomic
 
 from ._engines.local import find_python
 from ._errors import EngineError, UserError
-from ._stacks import StackManifest, normalise
+from ._stacks import StackManifest, normalise, parse_lock
 
 
 
@@ -93,31 +93,67 @@ def record_image(manifest: StackManifest, engine: str, tag: str, digest: str, lo
 # --- resolving ---------------------------------------------------------------------------------------
 
 
-def resolve_lock(manifest: StackManifest, log=lambda message: None) -> PinRecord:
+def resolve_lock(manifest: StackManifest, log=lambda message: None, *, upgrade: bool = False) -> PinRecord:
     """Resolves requirements.in with pip's resolver on the stack's Python (no install: --dry-run
-    --report) and writes the lock with sha256 hashes, then the pin record."""
+    --report) and writes the lock with sha256 hashes, then the pin record. The current lock's versions
+    are kept as constraints (as pip-compile keeps them) unless `upgrade`."""
     requirements = manifest.requirements
     if not requirements.is_file():
         raise UserError(f"{requirements}: missing; list the stack's direct requirements there (name==version), "
                         "or record the current lock with `runner pin --no-resolve`")
+    constraints = "" if upgrade or not manifest.lock.is_file() else "".join(
+        f"{name}=={version}\n" for name, version in parse_lock(manifest.lock).items())
+    log(f"resolving {requirements}" + (f", keeping the versions in {manifest.lock.name}" if constraints else ""))
+    installs, pip_version, python_version = _pip_report(manifest, ["-r", str(requirements)], constraints)
+    lines = [f"# Lock for the {manifest.name} stack{' (GPU)' if manifest.variant == 'gpu' else ''}: written by "
+             f"`runner pin` from {requirements.name}",
+             f"# (pip {pip_version} resolver, Python {python_version}, {_now()}). Do not edit by hand.",
+             f"# Installed with: pip install --no-deps --require-hashes -r {manifest.lock.name}"]
+    for item in sorted(installs, key=lambda i: normalise(i["metadata"]["name"])):
+        lines.append(f"{item['metadata']['name']}=={item['metadata']['version']} --hash=sha256:{_sha256_of(item)}")
+    write_atomic(manifest.lock, ("\n".join(lines) + "\n").encode())
+    return record_lock(manifest, resolver=f"pip {pip_version} --dry-run --report, Python {python_version}")
+
+
+def hash_lock(manifest: StackManifest, log=lambda message: None) -> PinRecord:
+    """Records the current lock as it is (same distributions, same versions, its comments kept), adding
+    the sha256 of every pin that has none (pip --no-deps --dry-run --report on the lock), then the pin record."""
+    unhashed = unhashed_lines(manifest.lock)
+    resolver = "recorded from the existing lock"
+    if unhashed:
+        log(f"hashing {len(unhashed)} pins of {manifest.lock}")
+        pins = "".join(f"{name}=={version}\n" for name, version in parse_lock(manifest.lock).items())
+        installs, pip_version, python_version = _pip_report(manifest, ["--no-deps"], "", requirements=pins)
+        hashes = {normalise(item["metadata"]["name"]): _sha256_of(item) for item in installs}
+        lines = manifest.lock.read_text().splitlines()
+        for number in unhashed:
+            name = normalise(lines[number - 1].split("==", 1)[0].strip())
+            lines[number - 1] = f"{lines[number - 1].rstrip()} --hash=sha256:{hashes[name]}"
+        write_atomic(manifest.lock, ("\n".join(lines) + "\n").encode())
+        resolver = f"the existing lock, hashed by pip {pip_version} --no-deps --dry-run --report, Python {python_version}"
+    return record_lock(manifest, resolver=resolver)
+
+
+def _pip_report(manifest: StackManifest, args: list[str], constraints: str,
+                requirements: str | None = None) -> tuple[list[dict], str, str]:
+    """pip's installation report (nothing installed) on the stack's Python, in a scratch virtualenv:
+    (the distributions it would install, pip's version, Python's version)."""
     interpreter, python_version = find_python(manifest.python)
     with tempfile.TemporaryDirectory(prefix=f"runner-pin-{manifest.name}-") as scratch:
         venv, report = Path(scratch) / "venv", Path(scratch) / "report.json"
         _run([str(interpreter), "-m", "venv", str(venv)], "creating a resolver virtualenv")
         pip = [str(venv / "bin" / "python"), "-m", "pip"]
         pip_version = _run([*pip, "--version"], "pip --version").split()[1]
-        log(f"resolving {requirements} with pip {pip_version} on Python {python_version}")
+        extra = []
+        if constraints:
+            (Path(scratch) / "constraints.txt").write_text(constraints)
+            extra += ["-c", str(Path(scratch) / "constraints.txt")]
+        if requirements is not None:
+            (Path(scratch) / "requirements.txt").write_text(requirements)
+            extra += ["-r", str(Path(scratch) / "requirements.txt")]
         _run([*pip, "install", "--dry-run", "--ignore-installed", "--quiet", "--disable-pip-version-check",
-              "--report", str(report), *manifest.pip_args, "-r", str(requirements)], f"resolving {requirements}")
-        installs = json.loads(report.read_text())["install"]
-    lines = [f"# Lock for the {manifest.name} stack{' (GPU)' if manifest.variant == 'gpu' else ''}: written by "
-             f"`runner pin` from {requirements.name}",
-             f"# (pip {pip_version} resolver, Python {python_version}, {_now()}). Do not edit by hand.",
-             f"# Installed with: pip install --no-deps -r {manifest.lock.name}"]
-    for item in sorted(installs, key=lambda i: normalise(i["metadata"]["name"])):
-        lines.append(f"{item['metadata']['name']}=={item['metadata']['version']} --hash=sha256:{_sha256_of(item)}")
-    write_atomic(manifest.lock, ("\n".join(lines) + "\n").encode())
-    return record_lock(manifest, resolver=f"pip {pip_version} --dry-run --report, Python {python_version}")
+              "--report", str(report), *manifest.pip_args, *args, *extra], f"pip's report for the {manifest.name} lock")
+        return json.loads(report.read_text())["install"], pip_version, python_version
 
 
 def _sha256_of(item: dict) -> str:
@@ -147,6 +183,12 @@ def _run(cmd: list[str], what: str) -> str:
 _REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?\s*==\s*([^\s;#]+)")
 
 
+def unhashed_lines(lock: Path) -> list[int]:
+    """Line numbers of the lock's pins that carry no sha256 hash."""
+    return [number for number, raw in enumerate(lock.read_text().splitlines(), start=1)
+            if raw.split("#", 1)[0].strip() and "--hash=sha256:" not in raw]
+
+
 def check_pins(manifest: StackManifest) -> list[str]:
     """What drifted between the stack's files: stack.toml, requirements.in, the lock and pins.json.
     Empty when they agree."""
@@ -162,6 +204,11 @@ def check_pins(manifest: StackManifest) -> list[str]:
                 "python": (record.python, manifest.python)}
     drift += [f"{where}: {field} is {pinned!r}, stack.toml says {current!r}"
               for field, (pinned, current) in expected.items() if pinned != current]
+    unhashed = unhashed_lines(manifest.lock)
+    if unhashed:
+        drift.append(f"{manifest.lock}:{unhashed[0]}: {len(unhashed)} of {len(manifest.locked_packages())} pins have "
+                     f"no --hash=sha256 (pip installs the lock in hash-checking mode); re-run "
+                     f"`{pin_command(manifest)}`")
     if record.lock_sha256 != manifest.lock_sha256:
         drift.append(f"{manifest.lock}: sha256 {manifest.lock_sha256[:12]} differs from the pinned "
                      f"{record.lock_sha256[:12]} (re-run `{pin_command(manifest)}`)")

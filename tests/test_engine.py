@@ -25,6 +25,9 @@ from runner._engines.local import ENV_MARKER, LocalEngine
 from runner._pins import record_lock
 from runner.api import load_manifest, load_plan
 
+# The echo stack's lock, hashed as every lock is (the engine installs in pip's hash-checking mode).
+ECHO_LOCK = ("msgspec==0.23.0 --hash=sha256:2e514e5b2a23e376f545f4962834b7312d9400705627c53330116b46daddfbe3\n"
+             "setuptools==84.2.1 --hash=sha256:ca140b45d5325a9478f880e351484f62fef15f336462e449ca0c03c873d589c2\n")
 ADAPTER = '''
 import json, os, time
 from pathlib import Path
@@ -119,7 +122,7 @@ def stack(tmp_path_factory):
         [tool.setuptools.packages.find]
         where = ["src"]
     '''))
-    (root / "requirements.lock").write_text("msgspec==0.23.0\nsetuptools==84.2.1\n")
+    (root / "requirements.lock").write_text(ECHO_LOCK)
     (root / "stack.toml").write_text(textwrap.dedent('''
         name = "echo"
         description = "test double stack"

@@ -95,10 +95,48 @@ def test_a_gpu_table_without_its_lock_is_a_clear_error(stacks):
     assert str(manifest) in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_lock_without_hashes_is_drift_naming_its_first_unhashed_line(stacks):
+    lock = stacks / "trl" / "requirements.lock"
+    lines = lock.read_text().splitlines()
+    lines[3] = lines[3].split(" --hash", 1)[0]
+    lock.write_text("\n".join(lines) + "\n")
+    problems = drift_of(stacks, "trl")
+    assert any(f"requirements.lock:4: 1 of {len(parse_lock(lock))} pins have no --hash=sha256" in p
+               and "runner pin --stack trl" in p for p in problems), problems
+
+
 def test_locks_with_hashes_parse(tmp_path):
     lock = tmp_path / "requirements.lock"
     lock.write_text("# comment\nmsgspec==0.23.0 --hash=sha256:" + "a" * 64 + "\nPyYAML==6.0.4\n")
     assert parse_lock(lock) == {"msgspec": "0.23.0", "pyyaml": "6.0.4"}
+
+
+def mini_stack(root: Path, requirement: str, lock: str) -> Path:
+    stack = root / "stacks" / "mini"
+    (stack / "adapter").mkdir(parents=True)
+    (stack / "requirements.lock").write_text(lock)
+    (stack / "requirements.in").write_text(requirement + "\n")
+    (stack / "stack.toml").write_text('name = "mini"\ndescription = "one requirement"\npython = "3.11"\n'
+                                      'lock = "requirements.lock"\nadapter = "mini:run"\nadapter_package = "adapter"\n'
+                                      'stages = ["probe"]\n[upstream]\nname = "msgspec"\nversion = "0.22.0"\n')
+    return stack
+
+
+@pytest.mark.slow
+def test_pin_hashes_a_lock_as_it_is_and_a_resolve_keeps_its_versions_unless_upgraded(tmp_path):
+    """--no-resolve adds the sha256 of each pin (comments, order and versions kept); a resolve keeps the
+    lock's versions as constraints (msgspec 0.22.0, though the index has 0.23.0); --upgrade takes the newest."""
+    stack = mini_stack(tmp_path, "msgspec>=0.22", "# pinned by hand: see the notes\nmsgspec==0.22.0\n")
+    stacks = tmp_path / "stacks"
+    assert runner("pin", "--stack", "mini", "--no-resolve", stacks=stacks).returncode == 0
+    lines = (stack / "requirements.lock").read_text().splitlines()
+    assert lines[0] == "# pinned by hand: see the notes" and lines[1].startswith("msgspec==0.22.0 --hash=sha256:")
+    assert runner("pin", "--check", "--stack", "mini", stacks=stacks).returncode == 0
+    assert runner("pin", "--stack", "mini", stacks=stacks).returncode == 0
+    assert parse_lock(stack / "requirements.lock") == {"msgspec": "0.22.0"}
+    result = runner("pin", "--stack", "mini", "--upgrade", stacks=stacks)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert parse_lock(stack / "requirements.lock") == {"msgspec": "0.23.0"}
 
 
 @pytest.mark.slow

@@ -105,7 +105,7 @@ class LocalEngine:
                 shutil.rmtree(path, ignore_errors=True)
                 log.write_text("")
                 _run_logged([str(interpreter), "-m", "venv", str(path)], log, "creating the virtualenv")
-                _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps",
+                _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--require-hashes",
                              "--disable-pip-version-check", *manifest.pip_args, "-r", str(manifest.lock)], log,
                             f"installing the {manifest.name} lock")
                 marker = {"lock_sha256": manifest.lock_sha256, "python": python_version, "built_at": time.time()}

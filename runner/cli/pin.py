@@ -6,7 +6,7 @@ import msgspec
 import typer
 from rich.table import Table
 
-from .._pins import check_pins, pin_path, record_lock, resolve_lock
+from .._pins import check_pins, hash_lock, pin_path, resolve_lock
 from .._errors import UserError
 from .._stacks import all_stacks, get_stack
 from ._common import cli_errors, console, err_console, print_json
@@ -16,7 +16,10 @@ def pin(
     stack: str = typer.Option(None, "--stack", help="Stack to pin or check (default with --check: every stack)."),
     check: bool = typer.Option(False, "--check", help="Only compare stack.toml, requirements.in, the lock and "
                                                       "pins.json; exit 1 naming what drifted. Runs nothing."),
-    no_resolve: bool = typer.Option(False, "--no-resolve", help="Record the current lock as is (no resolver run)."),
+    no_resolve: bool = typer.Option(False, "--no-resolve", help="Record the current lock as is (no resolver run; "
+                                                                "pins without a sha256 get one)."),
+    upgrade: bool = typer.Option(False, "--upgrade", help="Resolve afresh: the current lock's versions are kept "
+                                                          "as constraints otherwise."),
     gpu: bool = typer.Option(False, "--gpu", help="Pin the stack's GPU environment instead ([gpu] in stack.toml: "
                                                   "its own requirements and lock, record in pins-gpu.json)."),
     json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -51,10 +54,12 @@ def pin(
                 raise UserError(f"stack {stack} has no GPU environment ([gpu] table in its stack.toml)")
             manifest = manifest.for_gpu()
         if no_resolve:
-            record = record_lock(manifest, resolver="recorded from the existing lock")
+            with err_console.status(f"hashing the {stack} lock"):
+                record = hash_lock(manifest, log=lambda message: err_console.print(f"[dim]{message}[/]"))
         else:
             with err_console.status(f"resolving the {stack} lock"):
-                record = resolve_lock(manifest, log=lambda message: err_console.print(f"[dim]{message}[/]"))
+                record = resolve_lock(manifest, log=lambda message: err_console.print(f"[dim]{message}[/]"),
+                                      upgrade=upgrade)
     if json_output:
         print_json(msgspec.to_builtins(record))
     else:
