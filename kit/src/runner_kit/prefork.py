@@ -2,7 +2,7 @@
 does not pay a Python start and the import of openai and httpx (~1-1.5 s of CPU) before its first model call.
 
 A backend starts it once (`start_prefork(directory, script, warm_modules)`, which runs
-`python -m runner_kit.prefork SOCKET SCRIPT MODULE...`): it compiles the program, imports the modules and the
+`python -m runner_kit.prefork NAME DIR SCRIPT MODULE...`, NAME an abstract socket): it compiles the program, imports the modules and the
 program's own top level, and forks one child per request. The backend still runs the program per episode
 as before, only through the launcher this module writes (`<dir>/bin/python`, a `python -SE` script) instead
 of the interpreter: the launcher hands its argv, working directory, environment and stdio descriptors to
@@ -20,6 +20,7 @@ import atexit
 import json
 import logging
 import os
+import secrets
 import selectors
 import signal
 import socket
@@ -86,18 +87,18 @@ def write_launcher(directory: Path, socket_path: str, python: str = sys.executab
 
 def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> tuple[subprocess.Popen, Path] | None:
     """Starts the program's fork server (a child of this process; start it from a thread that lives as long
-    as the server should: it dies with that thread) and writes its launcher; None when turned off
-    (RUNNER_PREFORK=0) or when no socket path fits under `directory`."""
+    as the server should: it dies with that thread) and writes its launcher under `directory`; None when
+    turned off (RUNNER_PREFORK=0).
+
+    The server listens on an abstract Unix socket (no file, so no 108-byte path limit under a deep run
+    directory) and serves only connections from its own uid (SO_PEERCRED), as a 0600 socket file would."""
     if os.environ.get("RUNNER_PREFORK", "1") == "0":
         return None
     directory.mkdir(parents=True, exist_ok=True)
-    socket_path = directory / "sock"
-    if len(str(socket_path)) > 100:  # AF_UNIX paths are limited to 108 bytes
-        log.warning("no fork server: socket path %s is too long", socket_path)
-        return None
-    launcher = write_launcher(directory, str(socket_path))
-    process = subprocess.Popen([sys.executable, "-m", FORK_SERVER_MODULE, str(socket_path), str(script), *warm_modules],
-                               stdin=subprocess.DEVNULL)
+    name = f"runner-prefork-{os.getpid()}-{secrets.token_hex(8)}"
+    launcher = write_launcher(directory, "\0" + name)
+    process = subprocess.Popen([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), str(script),
+                                *warm_modules], stdin=subprocess.DEVNULL)
     return process, launcher
 
 
@@ -203,9 +204,11 @@ def _child(request: dict, fds: list[int], code: types.CodeType, script: str, lau
         os._exit(status & 0xFF)
 
 
-def serve(socket_path: str, script: str, warm_modules: list[str]) -> None:
+def serve(name: str, launcher_dir: str, script: str, warm_modules: list[str]) -> None:
+    """Serves on the abstract socket `name` the launcher in `launcher_dir` connects to."""
     die_with_parent()
-    launcher_bin = str(Path(socket_path).parent / "bin")
+    launcher_bin = str(Path(launcher_dir) / "bin")
+    socket_path = "\0" + name
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(256)  # launchers queue here while the imports below run
@@ -220,7 +223,7 @@ def serve(socket_path: str, script: str, warm_modules: list[str]) -> None:
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(wake_r, selectors.EVENT_READ, "wake")
     children: dict[int, socket.socket | None] = {}  # child pid -> its launcher's connection (None once gone)
-    log.info("prefork: serving %s on %s", script, socket_path)
+    log.info("prefork: serving %s on @%s", script, name)
 
     def reap() -> None:
         while children:
@@ -253,6 +256,12 @@ def serve(socket_path: str, script: str, warm_modules: list[str]) -> None:
                 try:
                     conn, _ = listener.accept()
                 except OSError:
+                    continue
+                _, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("3i")))
+                if uid != os.getuid():  # an abstract socket has no file mode: only our own uid is served
+                    log.warning("prefork: refused a connection from uid %d", uid)
+                    conn.close()
                     continue
                 try:
                     conn.settimeout(10)
@@ -307,7 +316,7 @@ def main(argv: list[str]) -> int:
     log.setLevel(os.environ.get("RUNNER_PREFORK_LOG", "INFO"))
     log.propagate = False
     try:
-        serve(argv[0], argv[1], argv[2:])
+        serve(argv[0], argv[1], argv[2], argv[3:])
     except KeyboardInterrupt:
         pass
     return 0
