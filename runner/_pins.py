@@ -101,8 +101,7 @@ def resolve_lock(manifest: StackManifest, log=lambda message: None, *, upgrade: 
     if not requirements.is_file():
         raise UserError(f"{requirements}: missing; list the stack's direct requirements there (name==version), "
                         "or record the current lock with `runner pin --no-resolve`")
-    constraints = "" if upgrade or not manifest.lock.is_file() else "".join(
-        f"{name}=={version}\n" for name, version in parse_lock(manifest.lock).items())
+    constraints = "" if upgrade or not manifest.lock.is_file() else _bare_pins(manifest.lock)
     log(f"resolving {requirements}" + (f", keeping the versions in {manifest.lock.name}" if constraints else ""))
     installs, pip_version, python_version = _pip_report(manifest, ["-r", str(requirements)], constraints)
     lines = [f"# Lock for the {manifest.name} stack{' (GPU)' if manifest.variant == 'gpu' else ''}: written by "
@@ -122,8 +121,8 @@ def hash_lock(manifest: StackManifest, log=lambda message: None) -> PinRecord:
     resolver = "recorded from the existing lock"
     if unhashed:
         log(f"hashing {len(unhashed)} pins of {manifest.lock}")
-        pins = "".join(f"{name}=={version}\n" for name, version in parse_lock(manifest.lock).items())
-        installs, pip_version, python_version = _pip_report(manifest, ["--no-deps"], "", requirements=pins)
+        installs, pip_version, python_version = _pip_report(manifest, ["--no-deps"], "",
+                                                            requirements=_bare_pins(manifest.lock))
         hashes = {normalise(item["metadata"]["name"]): _sha256_of(item) for item in installs}
         lines = manifest.lock.read_text().splitlines()
         for number in unhashed:
@@ -132,6 +131,11 @@ def hash_lock(manifest: StackManifest, log=lambda message: None) -> PinRecord:
         write_atomic(manifest.lock, ("\n".join(lines) + "\n").encode())
         resolver = f"the existing lock, hashed by pip {pip_version} --no-deps --dry-run --report, Python {python_version}"
     return record_lock(manifest, resolver=resolver)
+
+
+def _bare_pins(lock: Path) -> str:
+    """The lock's pins as `name==version` lines: no hashes, no comments."""
+    return "".join(f"{name}=={version}\n" for name, version in parse_lock(lock).items())
 
 
 def _pip_report(manifest: StackManifest, args: list[str], constraints: str,
@@ -206,7 +210,7 @@ def check_pins(manifest: StackManifest) -> list[str]:
               for field, (pinned, current) in expected.items() if pinned != current]
     unhashed = unhashed_lines(manifest.lock)
     if unhashed:
-        drift.append(f"{manifest.lock}:{unhashed[0]}: {len(unhashed)} of {len(manifest.locked_packages())} pins have "
+        drift.append(f"{manifest.lock}:{unhashed[0]}: {len(unhashed)} of {len(locked)} pins have "
                      f"no --hash=sha256 (pip installs the lock in hash-checking mode); re-run "
                      f"`{pin_command(manifest)}`")
     if record.lock_sha256 != manifest.lock_sha256:
