@@ -1,5 +1,5 @@
-"""A team's dataset file (JSONL or CSV of prompts and reference answers) turned into a task package: every
-row checked (file, line, column), splits taken from a column or by a stable hash of the prompt, the rows
+"""A team's dataset file (JSONL, CSV or Parquet of prompts and reference answers) turned into a task
+package: every row checked (file, line or row, column), splits taken from a column or by a stable hash of the prompt, the rows
 normalised into the package's data.jsonl, a family (qualification.tasks.dataset.DatasetFamily)
 registered under the runner.task_families entry point group. A plan then names the package in
 task.packages, so its content hash, and so the data's, is part of the plan id."""
@@ -10,10 +10,11 @@ import csv
 import hashlib
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from qualification.tasks.dataset import SCORERS, letter, number
+from qualification.tasks.dataset import MATH_LOCK, MATH_REQUIREMENT, SCORERS, letter, math_expression, number
 from runner_contracts import write_atomic
 
 from ._errors import UserError
@@ -28,10 +29,13 @@ class Columns:
     answer: str = "answer"
     split: str | None = "split"
     pattern: str = "pattern"
+    system: str = "system"  # optional: the row's own system prompt
+    metadata: tuple[str, ...] = ()  # optional columns kept with the row (its reference's "metadata")
 
 
-def _records(path: Path) -> list[tuple[int, dict]]:
-    """(line, record) for each row; refuses what is not a JSONL or CSV file of objects."""
+def _records(path: Path) -> list[tuple[str, str, dict]]:
+    """(where, place, record) for each row: `where` names the file and the row's line (JSONL, CSV) or row
+    number (Parquet), `place` the line or row alone; refuses what is not such a file of objects."""
     if not path.is_file():
         raise UserError(f"{path}: no such file")
     if path.suffix == ".jsonl":
@@ -45,65 +49,99 @@ def _records(path: Path) -> list[tuple[int, dict]]:
                 raise UserError(f"{path}:{line_number}: not valid JSON ({error.msg})") from None
             if not isinstance(record, dict):
                 raise UserError(f"{path}:{line_number}: expected a JSON object per line")
-            found.append((line_number, record))
+            found.append((f"{path}:{line_number}", f"line {line_number}", record))
         return found
     if path.suffix == ".csv":
-        with open(path, newline="") as handle:
-            return [(index + 2, row) for index, row in enumerate(csv.DictReader(handle))]  # line 1: header
-    raise UserError(f"{path}: expected a .jsonl or .csv file (Parquet: convert it to JSONL first; reading it "
-                    "needs pyarrow, which runner does not install)")
+        with open(path, newline="") as handle:  # line 1 is the header
+            return [(f"{path}:{index + 2}", f"line {index + 2}", row) for index, row in enumerate(csv.DictReader(handle))]
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet
+        except ImportError:
+            raise UserError(f"{path}: reading Parquet needs pyarrow: pip install 'runner[parquet]' (or convert "
+                            "the file to JSONL)") from None
+        try:
+            table = pyarrow.parquet.read_table(path)
+        except Exception as error:  # pyarrow raises ArrowInvalid, OSError and others for a bad file
+            raise UserError(f"{path}: not a readable Parquet file ({error})") from None
+        return [(f"{path}: row {index + 1}", f"row {index + 1}", row) for index, row in enumerate(table.to_pylist())]
+    raise UserError(f"{path}: expected a .jsonl, .csv or .parquet file")
+
+
+def _math_library() -> None:
+    """Makes math-verify importable here, from the scorer's lock built under the user cache if needed."""
+    try:
+        import math_verify  # noqa: F401
+    except ImportError:
+        from ._task_packages import scorer_library
+
+        sys.path.insert(0, str(scorer_library(MATH_LOCK)))
 
 
 def read_dataset(path: Path, scorer: str, columns: Columns = Columns(), heldout_share: float = 0.25) -> list[dict]:
-    """Normalised rows {"id", "prompt", "answer", "split"[, "pattern"]}; every problem is one UserError naming
-    the file, line and column."""
+    """Normalised rows {"id", "prompt", "answer", "split"[, "pattern", "system", "metadata"]}; every problem
+    is one UserError naming the file, line (or row) and column."""
     if scorer not in SCORERS:
         raise UserError(f"--scorer {scorer!r}: scorers are {', '.join(SCORERS)}")
     rows, seen_ids, prompts = [], {}, {}
     records = _records(path)
     if not records:
         raise UserError(f"{path}: no rows")
-    for line, record in records:
+    if scorer == "math":
+        _math_library()
+    for where, place, record in records:
         def value(column: str | None, required: bool = True) -> str:
             text = "" if column is None or record.get(column) is None else str(record[column]).strip()
             if required and not text:
-                raise UserError(f"{path}:{line}: column {column!r}: missing or empty (columns here: "
+                raise UserError(f"{where}: column {column!r}: missing or empty (columns here: "
                                 f"{', '.join(sorted(record))})")
             return text
 
         row_id, prompt, answer = value(columns.id), value(columns.prompt), value(columns.answer)
         if row_id in seen_ids:
-            raise UserError(f"{path}:{line}: column {columns.id!r}: duplicate id {row_id!r} (first on line "
+            raise UserError(f"{where}: column {columns.id!r}: duplicate id {row_id!r} (first on "
                             f"{seen_ids[row_id]})")
-        seen_ids[row_id] = line
+        seen_ids[row_id] = place
         split = value(columns.split, required=False) if columns.split and columns.split in record else ""
         if split and split not in SPLITS:
-            raise UserError(f"{path}:{line}: column {columns.split!r}: {split!r} is not one of {', '.join(SPLITS)}")
+            raise UserError(f"{where}: column {columns.split!r}: {split!r} is not one of {', '.join(SPLITS)}")
         if not split:
             bucket = int(hashlib.sha256(prompt.encode()).hexdigest(), 16) % 10_000 / 10_000
             split = "heldout" if bucket < heldout_share else "train"
         if scorer == "numeric" and number(answer) is None:
-            raise UserError(f"{path}:{line}: column {columns.answer!r}: {answer!r} is not a number (scorer numeric)")
+            raise UserError(f"{where}: column {columns.answer!r}: {answer!r} is not a number (scorer numeric)")
         if scorer == "choice" and letter(answer) is None:
-            raise UserError(f"{path}:{line}: column {columns.answer!r}: {answer!r} is not an option letter "
+            raise UserError(f"{where}: column {columns.answer!r}: {answer!r} is not an option letter "
                             "(scorer choice)")
+        if scorer == "math" and math_expression(answer) is None:
+            raise UserError(f"{where}: column {columns.answer!r}: {answer!r} is not an expression math-verify "
+                            "can read (scorer math)")
         row = {"id": re.sub(r"[^A-Za-z0-9_.-]", "_", row_id), "prompt": prompt, "answer": answer, "split": split}
         if scorer == "regex":
             pattern = value(columns.pattern)
             try:
                 re.compile(pattern)
             except re.error as error:
-                raise UserError(f"{path}:{line}: column {columns.pattern!r}: not a regular expression ({error})") \
+                raise UserError(f"{where}: column {columns.pattern!r}: not a regular expression ({error})") \
                     from None
             if not re.fullmatch(pattern, answer):
-                raise UserError(f"{path}:{line}: column {columns.pattern!r}: does not match the row's own answer")
+                raise UserError(f"{where}: column {columns.pattern!r}: does not match the row's own answer")
             row["pattern"] = pattern
+        if value(columns.system, required=False):
+            row["system"] = value(columns.system)
+        if columns.metadata:
+            missing = [column for column in columns.metadata if column not in record]
+            if missing:
+                raise UserError(f"{where}: column {missing[0]!r}: missing (a --metadata-column; columns here: "
+                                f"{', '.join(sorted(record))})")
+            row["metadata"] = {column: json.loads(json.dumps(record[column], default=str))  # Parquet dates, bytes
+                               for column in columns.metadata}
         key = " ".join(prompt.casefold().split())
         earlier = prompts.get(key)
         if earlier and {earlier[1], split} == {"train", "heldout"}:
-            raise UserError(f"{path}:{line}: column {columns.prompt!r}: the same prompt is in train and heldout "
-                            f"(line {earlier[0]})")
-        prompts.setdefault(key, (line, split))
+            raise UserError(f"{where}: column {columns.prompt!r}: the same prompt is in train and heldout "
+                            f"({earlier[0]})")
+        prompts.setdefault(key, (place, split))
         rows.append(row)
     if not any(row["split"] == "train" for row in rows):
         raise UserError(f"{path}: no train rows (split column {columns.split!r}, or --heldout-share below 1)")
@@ -126,8 +164,11 @@ def write_package(out: Path, name: str, rows: list[dict], scorer: str, *, tolera
         f"tolerance={tolerance!r}, system_prompt={system_prompt!r})\n").encode())
     write_atomic(out / "pyproject.toml", (
         '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n\n'
-        f'[project]\nname = "{module.replace("_", "-")}"\nversion = "1.0.0"\nrequires-python = ">=3.10"\n\n'
+        f'[project]\nname = "{module.replace("_", "-")}"\nversion = "1.0.0"\nrequires-python = ">=3.10"\n'
+        + (f'dependencies = ["{MATH_REQUIREMENT}"]\n' if scorer == "math" else "") + "\n"
         '[tool.setuptools.packages.find]\nwhere = ["src"]\n\n'
         f'[tool.setuptools.package-data]\n{module} = ["data.jsonl"]\n\n'
         f'[project.entry-points."runner.task_families"]\n{name} = "{module}:FAMILY"\n').encode())
+    if scorer == "math":  # the scorer's library, pinned with hashes (installed into the package's folder)
+        write_atomic(out / "requirements.lock", MATH_LOCK.read_bytes())
     return out

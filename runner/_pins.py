@@ -108,8 +108,7 @@ def resolve_lock(manifest: StackManifest, log=lambda message: None, *, upgrade: 
              f"`runner pin` from {requirements.name}",
              f"# (pip {pip_version} resolver, Python {python_version}, {_now()}). Do not edit by hand.",
              f"# Installed with: pip install --no-deps --require-hashes -r {manifest.lock.name}"]
-    for item in sorted(installs, key=lambda i: normalise(i["metadata"]["name"])):
-        lines.append(f"{item['metadata']['name']}=={item['metadata']['version']} --hash=sha256:{_sha256_of(item)}")
+    lines += hashed_pins(installs)
     write_atomic(manifest.lock, ("\n".join(lines) + "\n").encode())
     return record_lock(manifest, resolver=f"pip {pip_version} --dry-run --report, Python {python_version}")
 
@@ -140,10 +139,18 @@ def _bare_pins(lock: Path) -> str:
 
 def _pip_report(manifest: StackManifest, args: list[str], constraints: str,
                 requirements: str | None = None) -> tuple[list[dict], str, str]:
-    """pip's installation report (nothing installed) on the stack's Python, in a scratch virtualenv:
-    (the distributions it would install, pip's version, Python's version)."""
+    """pip's installation report for the stack's lock, on the stack's Python."""
     interpreter, python_version = find_python(manifest.python)
-    with tempfile.TemporaryDirectory(prefix=f"runner-pin-{manifest.name}-") as scratch:
+    installs, pip_version = pip_report(interpreter, [*manifest.pip_args, *args], constraints=constraints,
+                                       requirements=requirements, what=f"pip's report for the {manifest.name} lock")
+    return installs, pip_version, python_version
+
+
+def pip_report(interpreter: Path, args: list[str], *, constraints: str = "", requirements: str | None = None,
+               what: str = "pip's report") -> tuple[list[dict], str]:
+    """pip's installation report (nothing installed) on `interpreter`, in a scratch virtualenv:
+    (the distributions it would install, pip's version)."""
+    with tempfile.TemporaryDirectory(prefix="runner-pin-") as scratch:
         venv, report = Path(scratch) / "venv", Path(scratch) / "report.json"
         _run([str(interpreter), "-m", "venv", str(venv)], "creating a resolver virtualenv")
         pip = [str(venv / "bin" / "python"), "-m", "pip"]
@@ -156,8 +163,14 @@ def _pip_report(manifest: StackManifest, args: list[str], constraints: str,
             (Path(scratch) / "requirements.txt").write_text(requirements)
             extra += ["-r", str(Path(scratch) / "requirements.txt")]
         _run([*pip, "install", "--dry-run", "--ignore-installed", "--quiet", "--disable-pip-version-check",
-              "--report", str(report), *manifest.pip_args, *args, *extra], f"pip's report for the {manifest.name} lock")
-        return json.loads(report.read_text())["install"], pip_version, python_version
+              "--report", str(report), *args, *extra], what)
+        return json.loads(report.read_text())["install"], pip_version
+
+
+def hashed_pins(installs: list[dict]) -> list[str]:
+    """`name==version --hash=sha256:...` for each distribution of a pip report, sorted by name."""
+    return [f"{item['metadata']['name']}=={item['metadata']['version']} --hash=sha256:{_sha256_of(item)}"
+            for item in sorted(installs, key=lambda i: normalise(i["metadata"]["name"]))]
 
 
 def _sha256_of(item: dict) -> str:

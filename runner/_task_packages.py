@@ -3,10 +3,16 @@ paths). The host checks each package (a pyproject.toml naming runner.task_famili
 its source into the plan (so the plan id covers it), builds it once per content hash into a folder under
 the user cache (`pip install --no-deps --target`), and puts that folder on the path of the host and of
 every job, under every engine (read-only; the same host path inside containers and SIFs). Stack
-environments are never modified, so runs of different plans can share them at the same time."""
+environments are never modified, so runs of different plans can share them at the same time.
+
+A package's own dependencies (`[project] dependencies`, a scorer library say) are pinned with sha256
+hashes in requirements.lock beside its pyproject.toml (`runner tasks lock DIR` writes it) and installed
+into the same folder in pip's hash-checking mode. They must be pure-Python wheels: one folder serves the
+host and every stack's Python."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import shutil
@@ -16,15 +22,18 @@ import tempfile
 from pathlib import Path
 
 import msgspec
+from packaging.requirements import InvalidRequirement, Requirement
 
-from runner_contracts import Plan, TaskPackage
+from runner_contracts import Plan, TaskPackage, write_atomic
 
 from ._engines.jobs import file_lock, tree_hash
 from ._errors import EngineError, UserError
 from ._files import read_toml
-from ._paths import task_package_dir
+from ._paths import cache_dir, task_package_dir
+from ._stacks import normalise, parse_lock
 
 ENTRY_POINT_GROUP = "runner.task_families"
+LOCK_NAME = "requirements.lock"
 
 
 def resolve(plan: Plan, plan_file: Path) -> Plan:
@@ -43,7 +52,9 @@ def resolve(plan: Plan, plan_file: Path) -> Plan:
         if not project.get("name") or not families:
             raise UserError(f"{pyproject}: needs [project] name and at least one family under "
                             f"[project.entry-points.\"{ENTRY_POINT_GROUP}\"]")
+        check_lock(path, project.get("dependencies", []))
         resolved.append(TaskPackage(path=str(path), name=project["name"], sha256=tree_hash([path])))
+    merged_pins([Path(p.path) for p in resolved])  # refuses two packages pinning one distribution differently
     if not resolved:
         return plan
     return msgspec.structs.replace(plan, task=msgspec.structs.replace(plan.task, packages=resolved))
@@ -63,18 +74,126 @@ def build(plan: Plan, log=lambda message: None) -> Path | None:
                                       ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
                       for i, p in enumerate(plan.task.packages)]
             out = Path(scratch) / "out"
-            result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-                                     "--disable-pip-version-check", "--no-cache-dir", "--target", str(out),
-                                     *map(str, copies)], capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                tail = " | ".join(result.stderr.strip().splitlines()[-4:])
-                raise EngineError(f"building task packages failed (pip exit {result.returncode}): {tail}")
+            pins = merged_pins([Path(p.path) for p in plan.task.packages])
+            if pins:
+                install_locked(pins, out, Path(scratch))
+            _pip(["install", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--target", str(out),
+                  *map(str, copies)], "building task packages")
             for root, dirs, files in os.walk(out):  # jobs run as other users in containers: world-readable
                 os.chmod(root, 0o755)
                 for name in files:
                     os.chmod(os.path.join(root, name), 0o644)
             out.rename(target)
     return target
+
+
+def write_lock(package: Path, log=lambda message: None) -> Path:
+    """Resolves the package's `[project] dependencies` with pip (on this Python, nothing installed) and
+    writes them, with every transitive dependency, to its requirements.lock with sha256 hashes."""
+    from ._pins import hashed_pins, pip_report
+
+    pyproject = package / "pyproject.toml"
+    if not pyproject.is_file():
+        raise UserError(f"{package}: no pyproject.toml; `runner tasks lock` takes a task package's folder")
+    dependencies = read_toml(pyproject, dict).get("project", {}).get("dependencies", [])
+    if not dependencies:
+        raise UserError(f"{pyproject}: field project.dependencies: empty; nothing to lock")
+    log(f"resolving {', '.join(dependencies)}")
+    installs, pip_version = pip_report(Path(sys.executable), ["--only-binary=:all:"],
+                                       requirements="".join(f"{d}\n" for d in dependencies),
+                                       what=f"resolving the dependencies of {pyproject}")
+    header = [f"# Dependencies of the task package {package.name}: written by `runner tasks lock` from "
+              f"pyproject.toml (pip {pip_version}, Python {sys.version.split()[0]}). Do not edit by hand.",
+              "# Installed with: pip install --no-deps --require-hashes --only-binary=:all: --target ..."]
+    target = package / LOCK_NAME
+    write_atomic(target, ("\n".join(header + hashed_pins(installs)) + "\n").encode())
+    check_lock(package, dependencies)
+    return target
+
+
+def check_lock(package: Path, dependencies: list[str]) -> None:
+    """Refuses a package whose declared dependencies are not all pinned, hashed, in its requirements.lock."""
+    if not dependencies:
+        return
+    pyproject, lock = package / "pyproject.toml", package / LOCK_NAME
+    fix = f"run `runner tasks lock {package}`"
+    if not lock.is_file():
+        raise UserError(f"{pyproject}: declares dependencies ({', '.join(dependencies)}) but {lock} is missing: a "
+                        f"task package pins them there with sha256 hashes; {fix}")
+    from ._pins import unhashed_lines
+
+    unhashed = unhashed_lines(lock)
+    if unhashed:
+        raise UserError(f"{lock}:{unhashed[0]}: a pin without --hash=sha256 (installed in hash-checking mode); {fix}")
+    locked = parse_lock(lock)
+    for text in dependencies:
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement as error:
+            raise UserError(f"{pyproject}: field project.dependencies: {text!r} is not a requirement ({error})") \
+                from None
+        have = locked.get(normalise(requirement.name))
+        if have is None or not requirement.specifier.contains(have, prereleases=True):
+            found = f"the lock has {have}" if have else "it is not in the lock"
+            raise UserError(f"{lock}: {text} is declared in {pyproject.name}, {found}; {fix}")
+
+
+def merged_pins(packages: list[Path]) -> list[str]:
+    """The pinned lines of every package's lock, once each; refuses one distribution at two versions."""
+    lines: dict[str, tuple[str, str, Path]] = {}
+    for package in packages:
+        lock = package / LOCK_NAME
+        if not lock.is_file():
+            continue
+        for raw in lock.read_text().splitlines():
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            name, _, rest = line.partition("==")
+            version = rest.split()[0]
+            earlier = lines.get(normalise(name))
+            if earlier and earlier[0] != version:
+                raise UserError(f"{lock}: {name}=={version}, but {earlier[2] / LOCK_NAME} pins {earlier[0]}; task "
+                                "packages of one plan share one folder and must agree")
+            lines.setdefault(normalise(name), (version, line, package))
+    return [line for _, line, _ in lines.values()]
+
+
+def install_locked(pins: list[str], target: Path, scratch: Path) -> None:
+    """Installs hashed pins into `target` (pip's hash-checking mode, wheels only) and refuses any that is
+    not a pure-Python wheel."""
+    requirements = scratch / "dependencies.lock"
+    requirements.write_text("\n".join(pins) + "\n")
+    _pip(["install", "--no-deps", "--require-hashes", "--only-binary=:all:", "--target", str(target),
+          "-r", str(requirements)], "installing the task packages' locked dependencies")
+    for wheel in target.glob("*.dist-info/WHEEL"):
+        tags = [line.split(":", 1)[1].strip() for line in wheel.read_text().splitlines() if line.startswith("Tag:")]
+        if tags and not any(tag.endswith("-none-any") for tag in tags):
+            raise UserError(f"{wheel.parent.name.removesuffix('.dist-info')}: a compiled wheel ({tags[0]}); a task "
+                            "package's dependencies must be pure Python, since one folder serves the host and every "
+                            "stack's Python")
+
+
+def scorer_library(lock: Path) -> Path:
+    """A folder holding a lock's pure-Python distributions, built once per lock content under the user
+    cache (what the host imports a scorer library from before any package exists)."""
+    target = cache_dir() / "scorer-libraries" / hashlib.sha256(lock.read_bytes()).hexdigest()[:16]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(target.with_name(target.name + ".lock")):
+        if not target.is_dir():
+            with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as scratch:
+                pins = [line for line in lock.read_text().splitlines() if line.split("#", 1)[0].strip()]
+                install_locked(pins, Path(scratch) / "out", Path(scratch))
+                (Path(scratch) / "out").rename(target)
+    return target
+
+
+def _pip(args: list[str], what: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args],
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        tail = " | ".join(result.stderr.strip().splitlines()[-4:])
+        raise EngineError(f"{what} failed (pip exit {result.returncode}): {tail}")
 
 
 def activate(plan: Plan, log=lambda message: None) -> None:

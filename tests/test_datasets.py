@@ -64,8 +64,69 @@ def test_a_prompt_in_train_and_heldout_is_refused_and_csv_lines_count_the_header
     with pytest.raises(UserError, match=r"qa.csv:3: column 'question': the same prompt is in train and heldout \(line 2\)"):
         read_dataset(path, "exact", Columns(prompt="question", answer="gold"))
     (tmp_path / "qa.parquet").write_bytes(b"PAR1")
-    with pytest.raises(UserError, match=r"expected a .jsonl or .csv file \(Parquet: convert it"):
+    with pytest.raises(UserError, match=r"qa.parquet: not a readable Parquet file"):
         read_dataset(tmp_path / "qa.parquet", "exact")
+    (tmp_path / "qa.xlsx").write_bytes(b"")
+    with pytest.raises(UserError, match=r"qa.xlsx: expected a .jsonl, .csv or .parquet file"):
+        read_dataset(tmp_path / "qa.xlsx", "exact")
+
+
+def test_a_parquet_file_reads_like_jsonl_and_names_rows_in_errors(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    rows = [{**row, "level": index % 3} for index, row in enumerate(sums(30))]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "qa.parquet")
+    columns = Columns(metadata=("level",))
+    assert read_dataset(tmp_path / "qa.parquet", "numeric", columns) == read_dataset(
+        jsonl(tmp_path / "qa.jsonl", rows), "numeric", columns)
+    assert read_dataset(tmp_path / "qa.parquet", "numeric", columns)[4]["metadata"] == {"level": 1}
+    rows[3]["answer"] = None
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    with pytest.raises(UserError, match=r"bad.parquet: row 4: column 'answer': missing or empty"):
+        read_dataset(tmp_path / "bad.parquet", "numeric")
+    with pytest.raises(UserError, match=r"qa.parquet: row 1: column 'topic': missing \(a --metadata-column"):
+        read_dataset(tmp_path / "qa.parquet", "numeric", Columns(metadata=("topic",)))
+
+
+@pytest.fixture(scope="module")
+def math_verify():
+    """math-verify from the math scorer's own lock, built under the user cache as the host builds it."""
+    from runner._datasets import _math_library
+
+    _math_library()
+    import math_verify
+
+    return math_verify
+
+
+@pytest.mark.parametrize(("reply", "reference", "ok"), [
+    ("0.5", "\\frac{1}{2}", True), ("\\frac12", "1/2", True), ("(x+1)^2", "x^2+2x+1", True),
+    ("2^{1/2}", "\\sqrt{2}", True), ("\\{2, 1\\}", "\\{1,2\\}", True), ("$\\boxed{3}$", "3", True),
+    ("4", "3", False), ("x^2+1", "(x+1)^2", False), ("3.14159", "\\pi", False), ("no idea", "3", False),
+])
+def test_the_math_scorer_is_equivalence_by_math_verify(math_verify, reply, reference, ok):
+    assert correct("math", reply, reference) is ok
+
+
+def test_a_math_answer_math_verify_cannot_read_is_refused(math_verify, tmp_path):
+    rows = [{"id": "a", "prompt": "Half of one?", "answer": "\\frac{1}{2}"}, {"id": "b", "prompt": "?", "answer": "???"}]
+    with pytest.raises(UserError, match=r"qa.jsonl:2: column 'answer': '\?\?\?' is not an expression math-verify"):
+        read_dataset(jsonl(tmp_path / "qa.jsonl", rows), "math")
+
+
+def test_a_rows_own_system_prompt_opens_its_episodes(tmp_path):
+    from qualification.tasks import opening_messages
+    from qualification.tasks.dataset import DatasetFamily
+
+    source = sums(12)
+    source[0]["system"] = "Reply in French. Answer on the last line as 'Answer: <answer>'."
+    data = jsonl(tmp_path / "data.jsonl", read_dataset(jsonl(tmp_path / "qa.jsonl", source), "numeric"))
+    family = DatasetFamily("sums", data, "numeric", system_prompt="Default.")
+    items = {item.task_id: item for split in family.by_split for item in family.generate(split, len(family.by_split[split]), 0)}
+    assert opening_messages(family, items["sums/q0"])[0]["content"].startswith("Reply in French.")
+    assert opening_messages(family, items["sums/q1"]) == [{"role": "system", "content": "Default."},
+                                                          {"role": "user", "content": items["sums/q1"].question}]
 
 
 def test_rows_without_a_split_are_split_by_a_stable_hash(tmp_path):
@@ -91,6 +152,31 @@ def test_the_generated_package_is_a_family_a_plan_can_name(tmp_path):
     assert checked.returncode == 0, checked.stderr
     found = json.loads(checked.stdout)
     assert found["problems"] == [] and found["version"] == "1.0.0"
+
+
+def test_a_math_dataset_package_brings_its_locked_scorer_library(tmp_path):
+    """The package pins math-verify with hashes; `runner tasks check` (a fresh process with no math-verify
+    installed) scores the family's cases with the library from the package's own built folder."""
+    from qualification.tasks.dataset import MATH_LOCK
+
+    env = {**os.environ, "RUNNER_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "200"}
+    rows = [{"id": f"h{i}", "prompt": f"Write {i} halves as a fraction.", "answer": f"\\frac{{{i}}}{{2}}",
+             "split": "train" if i <= 16 else "heldout"} for i in range(1, 21)]
+    made = subprocess.run([RUNNER, "tasks", "from-dataset", str(jsonl(tmp_path / "qa.jsonl", rows)), "--name", "halves",
+                           "--scorer", "math", "--out", str(tmp_path / "halves")], capture_output=True, text=True, env=env)
+    assert made.returncode == 0, made.stderr
+    assert (tmp_path / "halves" / "requirements.lock").read_bytes() == MATH_LOCK.read_bytes()
+    assert "math-verify" in (tmp_path / "halves" / "pyproject.toml").read_text()
+    plan = tmp_path / "plan.yaml"
+    plan.write_text((Path(__file__).parent.parent / "examples" / "shop-tasks" / "plan.yaml").read_text()
+                    .replace("shop-total", "halves").replace("packages: [.]", "packages: [halves]")
+                    .replace("n: 64", "n: 16").replace("n: 48, seed: 2", "n: 4, seed: 2"))
+    checked = subprocess.run([RUNNER, "tasks", "check", "halves", "--plan", str(plan), "--json"], capture_output=True,
+                             text=True, env={**env, "PYTHONNOUSERSITE": "1"})
+    assert checked.returncode == 0, checked.stderr
+    assert json.loads(checked.stdout)["problems"] == []
+    built = next((tmp_path / "cache" / "task-packages").iterdir())
+    assert (built / "math_verify").is_dir() and (built / "dataset_halves").is_dir()
 
 
 def test_a_family_without_tools_is_not_asked_for_tool_calls():

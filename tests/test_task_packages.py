@@ -64,6 +64,47 @@ def test_a_package_without_family_entry_points_is_refused(tmp_path):
         load_plan(example / "plan.yaml")
 
 
+def with_dependencies(example: Path, *dependencies: str) -> Path:
+    pyproject = example / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace("dependencies = []", f"dependencies = {list(dependencies)!r}"
+                                                       .replace("'", '"')))
+    return pyproject
+
+
+def test_a_packages_own_dependencies_are_pinned_with_hashes_in_its_lock(tmp_path):
+    example = copy_example(tmp_path)
+    pyproject = with_dependencies(example, "six==1.16.0")
+    with pytest.raises(UserError, match=r"pyproject.toml: declares dependencies \(six==1.16.0\) but .*requirements.lock "
+                                        r"is missing.*run `runner tasks lock"):
+        load_plan(example / "plan.yaml")
+    made = subprocess.run([RUNNER, "tasks", "lock", str(example)], capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    lock = example / "requirements.lock"
+    (pin,) = [line for line in lock.read_text().splitlines() if not line.startswith("#")]
+    assert pin.startswith("six==1.16.0 --hash=sha256:") and len(pin.split("sha256:")[1]) == 64
+    assert load_plan(example / "plan.yaml").task.packages[0].name == "shop-tasks"
+    pyproject.write_text(pyproject.read_text().replace("six==1.16.0", "six>=1.17"))
+    with pytest.raises(UserError, match=r"requirements.lock: six>=1.17 is declared in pyproject.toml, the lock has 1.16.0"):
+        load_plan(example / "plan.yaml")
+    lock.write_text(lock.read_text().replace(pin, "six==1.16.0"))
+    with pytest.raises(UserError, match=r"requirements.lock:3: a pin without --hash=sha256"):
+        load_plan(example / "plan.yaml")
+
+
+def test_a_compiled_dependency_is_refused_when_the_package_is_built(tmp_path):
+    """One folder serves the host's and every stack's Python, so a wheel built for one of them is refused."""
+    example = copy_example(tmp_path)
+    with_dependencies(example, "msgspec")
+    assert subprocess.run([RUNNER, "tasks", "lock", str(example)], capture_output=True, text=True).returncode == 0
+    env = {**os.environ, "RUNNER_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "300"}
+    result = subprocess.run([RUNNER, "tasks", "check", "shop-total", "--plan", str(example / "plan.yaml")],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "msgspec-" in result.stderr and "a compiled wheel (cp311-cp311-" in result.stderr
+    assert "must be pure Python" in result.stderr and "Traceback" not in result.stderr
+    assert not list((tmp_path / "cache" / "task-packages").glob("[0-9a-f]*[0-9a-f]"))  # nothing half-built kept
+
+
 def test_tasks_check_builds_the_package_and_checks_its_family(tmp_path):
     env = {**os.environ, "RUNNER_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "200"}
     result = subprocess.run([RUNNER, "tasks", "check", "shop-total", "--plan", str(EXAMPLE / "plan.yaml"), "--json"],

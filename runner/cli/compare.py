@@ -65,12 +65,12 @@ def compare(
         target = writable_run_dir(run_dir) if run_dir else None
         runner = make_executor(executor, engine=engine, cluster=cluster, dry_run=dry_run, follow=follow_jobs,
                                quiet=json_output, log=logger(json_output))
+        selected = {m.name: parse_stages(stages, tuple(s for s in m.stages if s in RECIPE_STAGES[plan.recipe]),
+                                         m.name) for m in manifests}
         with err_console.status("preparing the policy"):
             frozen = resolve_policy(plan, LocalEngine(log=logger(json_output)))
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         target = target or writable_run_dir(Path("runs") / f"{stamp}-compare-{re.sub(r'[^A-Za-z0-9_.-]', '_', frozen.name)}")
-        selected = {m.name: parse_stages(stages, tuple(s for s in m.stages if s in RECIPE_STAGES[frozen.recipe]),
-                                         m.name) for m in manifests}
         result = runner.compare(manifests, frozen, target, selected, all_stages=not stages, resume=resume)
         if isinstance(result, Submitted):
             report_submitted(result, json_output=json_output)

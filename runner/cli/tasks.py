@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from qualification.tasks import FamilyError, TaskFamily, check_family, get_family, source_of, sources, split_hash
@@ -134,11 +135,27 @@ def show(
             console.print(f"  [cyan]{message['role']}[/]: {text}", highlight=False, markup=True)
 
 
+@app.command("lock")
+def lock(package: Path = typer.Argument(..., metavar="DIR", help="A task package's folder (its pyproject.toml).")) -> None:
+    """Pin a task package's own dependencies (pyproject.toml's [project] dependencies, a scorer library
+    say): resolved by pip on this Python and written with every transitive dependency and its sha256 to
+    DIR/requirements.lock. Runs install it in hash-checking mode into the package's folder; they must be
+    pure-Python wheels (one folder serves the host and every stack's Python)."""
+    from .._task_packages import write_lock
+
+    with cli_errors():
+        with err_console.status(f"resolving the dependencies of {package}"):
+            target = write_lock(package, lambda message: err_console.print(f"[dim]{escape(message)}[/]"))
+    pins = [line for line in target.read_text().splitlines() if line and not line.startswith("#")]
+    console.print(f"{target}: {len(pins)} pins with sha256 hashes", highlight=False)
+
+
 @app.command("from-dataset")
 def from_dataset(
-    dataset: Path = typer.Argument(..., metavar="FILE", help="A .jsonl or .csv file, one row per prompt."),
+    dataset: Path = typer.Argument(..., metavar="FILE", help="A .jsonl, .csv or .parquet file, one row per prompt."),
     name: str = typer.Option(..., "--name", help="The family's name, e.g. support-faq."),
-    scorer: str = typer.Option(..., "--scorer", help="exact, numeric, choice or regex (the row's pattern column)."),
+    scorer: str = typer.Option(..., "--scorer", help="exact, numeric (--tolerance), choice (option letter), regex "
+                                                     "(the row's pattern column) or math (equivalence by math-verify)."),
     out: Path = typer.Option(..., "--out", help="Folder to write the task package into."),
     id_column: str = typer.Option("id", "--id-column"),
     prompt_column: str = typer.Option("prompt", "--prompt-column"),
@@ -146,9 +163,13 @@ def from_dataset(
     split_column: str = typer.Option("split", "--split-column", help="train / heldout / retention per row; rows "
                                                                      "without one are split by a hash of the prompt."),
     pattern_column: str = typer.Option("pattern", "--pattern-column", help="Scorer regex: accepted replies."),
+    system_column: str = typer.Option("system", "--system-column", help="Optional: the row's own system prompt."),
+    metadata_columns: str = typer.Option("", "--metadata-columns", help="Comma-separated columns kept with each "
+                                                                       "row (in its reference's metadata)."),
     heldout_share: float = typer.Option(0.25, "--heldout-share", help="Share of hash-split rows held out."),
     tolerance: float = typer.Option(1e-6, "--tolerance", help="Scorer numeric: absolute tolerance."),
-    system_prompt: str = typer.Option("Answer on the last line as 'Answer: <answer>'.", "--system-prompt"),
+    system_prompt: str = typer.Option("Answer on the last line as 'Answer: <answer>'.", "--system-prompt",
+                                      help="For rows without their own."),
 ) -> None:
     """Turn a dataset file into a task package: every row checked (a missing answer, a duplicate id, an
     empty prompt, a prompt in both train and held-out are refused, naming file, line and column), the rows
@@ -157,7 +178,9 @@ def from_dataset(
 
     with cli_errors():
         rows = read_dataset(dataset, scorer, Columns(id=id_column, prompt=prompt_column, answer=answer_column,
-                                                     split=split_column, pattern=pattern_column), heldout_share)
+                                                     split=split_column, pattern=pattern_column, system=system_column,
+                                                     metadata=tuple(c.strip() for c in metadata_columns.split(",")
+                                                                    if c.strip())), heldout_share)
         write_package(out, name, rows, scorer, tolerance=tolerance, system_prompt=system_prompt)
     counts = {split: sum(1 for row in rows if row["split"] == split) for split in ("train", "heldout", "retention")}
     console.print(f"{name}: {len(rows)} rows ({', '.join(f'{k} {v}' for k, v in counts.items() if v)}) in {out}\n"

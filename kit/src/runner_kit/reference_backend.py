@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from qualification.tasks import TaskItem, ToolCall, Transcript, get_family
+from qualification.tasks import TaskItem, ToolCall, Transcript, get_family, opening_messages
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 
 from .http import Call, HttpError, JsonServer, Reply
@@ -100,8 +100,7 @@ class ReferenceBackend(RolloutBackend):
         item = TaskItem.from_json(episode.item)
         family = get_family(item.family)
         tools = self._env("/reset", {"episode_id": episode.episode_id, "item": episode.item})["tools"]
-        messages: list[dict[str, Any]] = [{"role": "system", "content": family.system_prompt},
-                                          {"role": "user", "content": item.question}]
+        messages = opening_messages(family, item)
         final_text, finish, turns = "", "stop", 0
         for turns in range(1, episode.max_turns + 1):
             message, finish = policy.chat(episode.episode_id, messages, tools)

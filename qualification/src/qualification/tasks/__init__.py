@@ -15,6 +15,7 @@ from .base import (
     Transcript,
     exact_overlap,
     ngram_overlap,
+    opening_messages,
     replay,
     split_hash,
     strict_final_answer,
@@ -25,5 +26,5 @@ from .registry import GROUP, FamilyError, FamilySource, families, get_family, so
 __all__ = [
     "GROUP", "SPLITS", "FamilyError", "FamilySource", "Score", "TaskFamily", "TaskItem", "ToolCall",
     "ToolParam", "ToolSpec", "Transcript", "check_family", "exact_overlap", "families", "get_family",
-    "ngram_overlap", "play_scripted_case", "replay", "source_of", "sources", "split_hash", "strict_final_answer",
+    "ngram_overlap", "opening_messages", "play_scripted_case", "replay", "source_of", "sources", "split_hash", "strict_final_answer",
 ]

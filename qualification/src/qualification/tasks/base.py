@@ -94,6 +94,14 @@ class TaskFamily(Protocol):
     def scripted_cases(self, item: TaskItem) -> list[dict[str, Any]]: ...
 
 
+def opening_messages(family: TaskFamily, item: TaskItem) -> list[dict[str, Any]]:
+    """An episode's first messages: the system prompt (the family's `system_prompt_for(item)` where it
+    has one, a dataset row's own say, else its `system_prompt`) and the item's question."""
+    per_item = getattr(family, "system_prompt_for", None)
+    system = per_item(item) if per_item is not None else family.system_prompt
+    return [{"role": "system", "content": system}, {"role": "user", "content": item.question}]
+
+
 def replay(family: TaskFamily, item: TaskItem, calls: list[ToolCall]) -> tuple[dict[str, Any], list[str]]:
     """Re-executes recorded tool calls on a fresh state: the final state and the reference results.
     Scorers judge final states this way, so a transcript alone determines the score."""

@@ -3,21 +3,28 @@
 `runner tasks from-dataset` validates a JSONL or CSV file and writes a task package around it (the rows
 normalised into data.jsonl, a family class configured here); a plan then names it like any task package.
 Every row is {"id", "prompt", "answer", "split"} (and, for the regex scorer, the "pattern" of accepted
-replies); a policy answers on its last line as 'Answer: <answer>'.
+replies; optionally its own "system" prompt and "metadata", kept in the item's reference); a policy
+answers on its last line as 'Answer: <answer>'.
 Scorers: exact (case, surrounding space and final punctuation ignored), numeric (within an absolute
-tolerance), choice (the option letter), regex (the reply matches the row's pattern in full)."""
+tolerance), choice (the option letter), regex (the reply matches the row's pattern in full), math
+(mathematical equivalence by Hugging Face's math-verify: 1/2, 0.5 and \\frac{1}{2} are one answer).
+math-verify is not installed here: a dataset package with the math scorer declares it, locked in
+MATH_LOCK, and the host and every stack import it from the package's folder."""
 
 from __future__ import annotations
 
 import json
 import random
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
 from .base import Score, TaskItem, ToolSpec, Transcript
 
-SCORERS = ("exact", "numeric", "choice", "regex")
+SCORERS = ("exact", "numeric", "choice", "regex", "math")
+MATH_REQUIREMENT = "math-verify[antlr4_13_2]==0.9.0"
+MATH_LOCK = Path(__file__).with_name("math-verify.lock")
 ANSWER = re.compile(r"^Answer:\s*(.*?)\s*$")
 NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 LETTER = re.compile(r"^\(?([A-Za-z])\)?(?:[.):]|\s|$)")
@@ -44,6 +51,31 @@ def letter(text: str) -> str | None:
     return match.group(1).upper() if match else None
 
 
+def math_expression(text: str) -> list | None:
+    """math-verify's parse of an answer (LaTeX with or without $...$, or a plain expression), or None
+    when it reads nothing."""
+    try:
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+    except ImportError:
+        raise RuntimeError(f"the math scorer needs {MATH_REQUIREMENT}: declare it in the task package's "
+                           "dependencies with its lock (runner tasks from-dataset --scorer math does)") from None
+    text = text.strip()
+    wrapped = text if text.startswith("$") or "\\boxed" in text else f"${text}$"
+    # math-verify's timeouts use SIGALRM, which only the main thread may set
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    parsed = parse(wrapped, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                   fallback_mode="no_fallback", parsing_timeout=timeout)
+    return parsed or None
+
+
+def math_equal(reply: str, reference: str) -> bool:
+    from math_verify import verify
+
+    gold, answer = math_expression(reference), math_expression(reply)
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    return gold is not None and answer is not None and verify(gold, answer, timeout_seconds=timeout)
+
+
 def correct(scorer: str, reply: str, reference: str, tolerance: float = 1e-6, pattern: str | None = None) -> bool:
     """Whether a final answer matches the reference under the scorer."""
     if scorer == "exact":
@@ -55,6 +87,8 @@ def correct(scorer: str, reply: str, reference: str, tolerance: float = 1e-6, pa
         return letter(reply) is not None and letter(reply) == letter(reference)
     if scorer == "regex":
         return re.fullmatch(pattern if pattern is not None else re.escape(reference), reply.strip()) is not None
+    if scorer == "math":
+        return math_equal(reply, reference)
     raise ValueError(f"unknown scorer {scorer!r}; scorers are {', '.join(SCORERS)}")
 
 
@@ -64,6 +98,8 @@ def wrong_answer(scorer: str, reference: str) -> str:
         return str((number(reference) or 0) + 1)
     if scorer == "choice":
         return "B" if letter(reference) == "A" else "A"
+    if scorer == "math":
+        return f"({reference}) + 1"
     return f"not {reference}" if scorer == "exact" else "\u2205"
 
 
@@ -84,6 +120,10 @@ class DatasetFamily:
         for row in self.rows:
             self.by_split.setdefault(row["split"], []).append(row)
         self.frozen_splits = {split: (len(rows), 0) for split, rows in self.by_split.items()}
+        self.row_system_prompts = {f"{name}/{row['id']}": row["system"] for row in self.rows if row.get("system")}
+
+    def system_prompt_for(self, item: TaskItem) -> str:
+        return self.row_system_prompts.get(item.task_id, self.system_prompt)
 
     def generate(self, split: str, n: int, seed: int) -> list[TaskItem]:
         """n rows of the split, in an order fixed by the seed (seed 0: the file's order)."""
@@ -93,7 +133,7 @@ class DatasetFamily:
         if seed:
             random.Random(f"{self.name}/{split}/{seed}").shuffle(rows)
         return [TaskItem(family=self.name, split=split, task_id=f"{self.name}/{row['id']}", question=row["prompt"],
-                         reference={"answer": row["answer"], **({"pattern": row["pattern"]} if row.get("pattern") else {})})
+                         reference={"answer": row["answer"], **{key: row[key] for key in ("pattern", "metadata") if row.get(key)}})
                 for row in rows[:n]]
 
     def initial_state(self, item: TaskItem) -> dict[str, Any]:

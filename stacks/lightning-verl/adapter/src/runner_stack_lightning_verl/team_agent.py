@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from openai import OpenAI
-from qualification.tasks import TaskItem, get_family
+from qualification.tasks import TaskItem, get_family, opening_messages
 from runner_kit.policy import openai_tools
 
 
@@ -36,8 +36,7 @@ def run(task: dict[str, Any], client: OpenAI, model: str) -> dict[str, Any]:
     item = TaskItem.from_json(task["item"])
     tools = openai_tools(family)
     state = family.initial_state(item)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": family.system_prompt},
-                                      {"role": "user", "content": item.question}]
+    messages = opening_messages(family, item)
     record: list[dict[str, Any]] = []
     final_text, finish, turns = "", "max_turns", 0
     while turns < int(task["max_turns"]):

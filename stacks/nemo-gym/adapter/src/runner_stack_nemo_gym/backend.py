@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qualification.tasks import TaskItem, get_family
+from qualification.tasks import TaskItem, get_family, opening_messages
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 from runner_kit.policy import openai_tools
 from runner_kit.processes import HOST, free_port, spawn
@@ -274,8 +274,7 @@ class NemoGymBackend(RolloutBackend):
         if sampling.top_k > 0:
             extra_body["top_k"] = sampling.top_k
         params: dict[str, Any] = {
-            "input": [{"role": "system", "content": family.system_prompt},
-                      {"role": "user", "content": item.question}],
+            "input": opening_messages(family, item),
             "model": policy.model,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,

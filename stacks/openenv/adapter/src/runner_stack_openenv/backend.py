@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from qualification.tasks import TaskItem, get_family
+from qualification.tasks import TaskItem, get_family, opening_messages
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 from runner_kit.policy import openai_tools, tool_call_arguments
 from runner_kit.processes import SocketServer
@@ -108,8 +108,7 @@ class OpenEnvBackend(ServerBackend):
         item = TaskItem.from_json(episode.item)
         family = get_family(episode.family)
         tools = openai_tools(family)
-        messages: list[dict[str, Any]] = [{"role": "system", "content": family.system_prompt},
-                                          {"role": "user", "content": item.question}]
+        messages = opening_messages(family, item)
         url = self.running_url()
         env = _env_client()(base_url=url, connect_timeout_s=10.0, message_timeout_s=60.0).sync()
         errors = _connection_errors()

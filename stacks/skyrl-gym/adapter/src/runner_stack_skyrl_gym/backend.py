@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any
 
-from qualification.tasks import TaskItem, get_family
+from qualification.tasks import TaskItem, get_family, opening_messages
 from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 from runner_kit.policy import tool_call_arguments
 from runner_kit.processes import SocketServer
@@ -54,8 +54,7 @@ class SkyRLGymBackend(ServerBackend):
             return post_to_environment(url + path, {"episode_id": episode.episode_id, **body})
 
         made = env("/make", extras={"item": episode.item, "max_turns": episode.max_turns},
-                   prompt=[{"role": "system", "content": family.system_prompt},
-                           {"role": "user", "content": item.question}])
+                   prompt=opening_messages(family, item))
         messages, tools = made["prompt"], made["info"]["tools"]
         try:
             while True:  # the env ends the episode: a final answer, or its turn limit

@@ -34,7 +34,7 @@ from .policy import deterministic_torch, prompt_messages, trainer_device_args
 def task_rows(family_name: str, split: str, n: int, seed: int) -> list[dict[str, Any]]:
     family = get_family(family_name)
     return [
-        {"prompt": prompt_messages(family_name, item.question), "item": item.to_json(), "environment": family_name}
+        {"prompt": prompt_messages(item), "item": item.to_json(), "environment": family_name}
         for item in family.generate(split, n, seed)
     ]
 

@@ -112,7 +112,7 @@ def service(request: StageRequest) -> StageResult:
                     env = env_class()
                     env.reset(item=item.to_json())
                     tools = tool_methods(env) or None
-                    messages = prompt_messages(family_name, item.question)
+                    messages = prompt_messages(item)
                     completion: list[dict[str, Any]] = []
                     for turn in case["turns"]:
                         prefix = tokenizer.apply_chat_template(messages + completion, tools=tools, tokenize=True,

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from qualification.tasks import get_family
+from qualification.tasks import TaskItem, get_family, opening_messages
 from runner_contracts import TinyRecipe
 
 from .environment import environment_class, tool_methods
@@ -66,9 +66,8 @@ def _empty_tokenizer():
     return tokenizer
 
 
-def prompt_messages(family_name: str, question: str) -> list[dict[str, str]]:
-    family = get_family(family_name)
-    return [{"role": "system", "content": family.system_prompt}, {"role": "user", "content": question}]
+def prompt_messages(item: TaskItem) -> list[dict[str, str]]:
+    return opening_messages(get_family(item.family), item)
 
 
 def _conversations(recipe: TinyRecipe):
@@ -77,7 +76,7 @@ def _conversations(recipe: TinyRecipe):
         family = get_family(family_name)
         tools = tool_methods(environment_class(family_name)()) or None
         for item in family.generate("train", recipe.demos_per_family, recipe.seed):
-            yield family_name, prompt_messages(family_name, item.question) + family.demonstration(item), tools
+            yield family_name, prompt_messages(item) + family.demonstration(item), tools
 
 
 def _boilerplate(renderer, recipe: TinyRecipe) -> list[str]:
@@ -87,7 +86,7 @@ def _boilerplate(renderer, recipe: TinyRecipe) -> list[str]:
         family = get_family(family_name)
         tools = tool_methods(environment_class(family_name)()) or None
         prompt = renderer.apply_chat_template(
-            prompt_messages(family_name, "x"), tools=tools, tokenize=False, add_generation_prompt=True
+            [{"role": "system", "content": family.system_prompt}, {"role": "user", "content": "x"}], tools=tools, tokenize=False, add_generation_prompt=True
         )
         system_block = prompt.split("<|im_start|>system\n", 1)[1].split("<|im_end|>", 1)[0]
         strings.append(system_block)
@@ -210,7 +209,7 @@ def demonstration_ids(tokenizer, family_name: str, item) -> tuple[list[int], lis
     """A family's demonstration of `item`, rendered as the GRPO loop renders episodes: (ids, assistant mask)."""
     family = get_family(family_name)
     tools = tool_methods(environment_class(family_name)()) or None
-    ids = tokenizer.apply_chat_template(prompt_messages(family_name, item.question) + family.demonstration(item),
+    ids = tokenizer.apply_chat_template(prompt_messages(item) + family.demonstration(item),
                                         tools=tools, tokenize=True, return_dict=False,
                                         chat_template=training_chat_template(tokenizer))
     return ids, assistant_mask(tokenizer, ids)

@@ -10,7 +10,7 @@ from typing import Any
 
 import verifiers.v1 as vf
 
-from qualification.tasks import Score, TaskItem, ToolCall, Transcript, get_family, sources
+from qualification.tasks import Score, TaskItem, ToolCall, Transcript, get_family, opening_messages, sources
 
 from .toolset import EpisodeState, FamilyToolset, FamilyToolsetConfig
 
@@ -148,6 +148,6 @@ class QualTaskset(vf.Taskset[QualTask, QualTasksetConfig]):
 
 def task_for(item: TaskItem, max_turns: int, episode_id: str = "", config: vf.TaskConfig | None = None) -> QualTask:
     family = get_family(item.family)
-    data = QualTaskData(id=item.task_id, name=item.task_id, prompt=item.question, system_prompt=family.system_prompt,
+    data = QualTaskData(id=item.task_id, name=item.task_id, prompt=item.question, system_prompt=opening_messages(family, item)[0]["content"],
                         family=item.family, item=item.to_json(), max_turns=max_turns, episode_id=episode_id)
     return QualTask(data, config if isinstance(config, QualTaskConfig) else None)
