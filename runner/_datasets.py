@@ -8,16 +8,24 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import importlib.util
+import inspect
 import json
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
-from qualification.tasks.dataset import MATH_LOCK, MATH_REQUIREMENT, SCORERS, letter, math_expression, number
+import msgspec
+
+from qualification.tasks.dataset import (MATH_LOCK, MATH_REQUIREMENT, SCORERS, letter, math_expression, number,
+                                         run_tool, tool_row)
 from runner_contracts import write_atomic
 
 from ._errors import UserError
+from ._files import convert_yaml, parse_yaml, yaml_line
 
 SPLITS = ("train", "heldout", "retention")
 
@@ -31,6 +39,111 @@ class Columns:
     pattern: str = "pattern"
     system: str = "system"  # optional: the row's own system prompt
     metadata: tuple[str, ...] = ()  # optional columns kept with the row (its reference's "metadata")
+    calls: str = "calls"  # tool datasets: the tool calls of a correct episode (a JSON list)
+
+
+class ToolParameter(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    type: str  # string, integer or number (PYTHON_TYPES)
+    description: str = ""
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: str
+    parameters: list[ToolParameter] = []
+
+
+class ToolsFile(msgspec.Struct, forbid_unknown_fields=True):
+    """The sidecar a tool-using dataset declares its tools in (YAML)."""
+
+    module: str  # a Python file beside the sidecar: initial_state(row) (optional) and one function per tool
+    tools: list[Tool]
+    require_tool_call: bool = True  # success needs a tool call that did not fail
+
+
+@dataclass(frozen=True)
+class DatasetTools:
+    path: Path
+    declared: ToolsFile
+    module_path: Path
+    module: ModuleType
+
+    def initial_state(self, row: dict) -> dict:
+        seen = tool_row(row)
+        return self.module.initial_state(seen) if hasattr(self.module, "initial_state") else {"row": seen}
+
+
+PYTHON_TYPES = {"string": (str,), "integer": (int,), "number": (int, float)}
+
+
+def read_tools(path: Path) -> DatasetTools:
+    """The sidecar and its module, checked: every tool has a function taking (state, **its parameters)."""
+    shape = "a tools file is a mapping with module (a .py file beside it) and tools (name, description, parameters)"
+    data, root = parse_yaml(path, "tools file", shape)
+    declared = convert_yaml(data, root, ToolsFile, path)
+    if not declared.tools:
+        raise UserError(f"{path}:{yaml_line(root, 'tools')}: field tools: empty; declare at least one tool")
+    names = [tool.name for tool in declared.tools]
+    for index, tool in enumerate(declared.tools):
+        for position, parameter in enumerate(tool.parameters):
+            if parameter.type not in PYTHON_TYPES:
+                field = f"tools[{index}].parameters[{position}].type"
+                raise UserError(f"{path}:{yaml_line(root, field)}: field {field}: {parameter.type!r} is not one of "
+                                f"{', '.join(PYTHON_TYPES)}")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", tool.name) or names.index(tool.name) != index:
+            raise UserError(f"{path}:{yaml_line(root, f'tools[{index}].name')}: field tools[{index}].name: "
+                            f"{tool.name!r} is not a unique Python identifier")
+    module_path = (path.parent / declared.module).resolve()
+    if module_path.suffix != ".py" or not module_path.is_file():
+        raise UserError(f"{path}:{yaml_line(root, 'module')}: field module: {module_path} is not a Python file")
+    spec = importlib.util.spec_from_file_location(f"runner_dataset_tools_{abs(hash(module_path))}", module_path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # the team's module: any failure is a bad input
+        raise UserError(f"{module_path}: importing it failed: {type(error).__name__}: {error}") from None
+    for index, tool in enumerate(declared.tools):
+        where = f"{path}:{yaml_line(root, f'tools[{index}]')}: field tools[{index}]"
+        function = getattr(module, tool.name, None)
+        if not callable(function):
+            raise UserError(f"{where}: {module_path.name} has no function {tool.name}(state, ...)")
+        try:
+            inspect.signature(function).bind({}, **{p.name: None for p in tool.parameters})
+        except TypeError as error:
+            raise UserError(f"{where}: {module_path.name}:{tool.name} cannot be called as {tool.name}(state, "
+                            f"{', '.join(p.name for p in tool.parameters)}) ({error})") from None
+    return DatasetTools(path, declared, module_path, module)
+
+
+def _calls(where: str, column: str, raw: Any, tools: DatasetTools, row: dict) -> list[dict]:
+    """A row's reference tool calls, checked against the declared tools and replayed without an error."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{where}: column {column!r}: not valid JSON ({error.msg})") from None
+    if not isinstance(raw, list) or not all(isinstance(c, dict) for c in raw):
+        raise UserError(f"{where}: column {column!r}: expected a JSON list of {{\"name\", \"arguments\"}} calls")
+    declared = {tool.name: {p.name: p.type for p in tool.parameters} for tool in tools.declared.tools}
+    state, calls = tools.initial_state(row), []
+    for index, call in enumerate(raw, 1):
+        name, arguments = call.get("name"), call.get("arguments", {})
+        if name not in declared:
+            raise UserError(f"{where}: column {column!r}: call {index} names {name!r}; {tools.path.name} declares "
+                            f"{', '.join(declared)}")
+        if not isinstance(arguments, dict) or set(arguments) != set(declared[name]):
+            raise UserError(f"{where}: column {column!r}: call {index} {name}: arguments must be exactly "
+                            f"{', '.join(declared[name]) or 'none'}")
+        for key, value in arguments.items():
+            kind = declared[name][key]
+            if isinstance(value, bool) or not isinstance(value, PYTHON_TYPES[kind]):
+                raise UserError(f"{where}: column {column!r}: call {index} {name}: argument {key} is not a {kind}")
+        result = run_tool(tools.module, state, name, arguments)
+        if result.startswith("error:"):
+            raise UserError(f"{where}: column {column!r}: call {index} {name} returned {result!r}")
+        calls.append({"name": name, "arguments": arguments})
+    return calls
 
 
 def _records(path: Path) -> list[tuple[str, str, dict]]:
@@ -78,9 +191,10 @@ def _math_library() -> None:
         sys.path.insert(0, str(scorer_library(MATH_LOCK)))
 
 
-def read_dataset(path: Path, scorer: str, columns: Columns = Columns(), heldout_share: float = 0.25) -> list[dict]:
-    """Normalised rows {"id", "prompt", "answer", "split"[, "pattern", "system", "metadata"]}; every problem
-    is one UserError naming the file, line (or row) and column."""
+def read_dataset(path: Path, scorer: str, columns: Columns = Columns(), heldout_share: float = 0.25,
+                 tools: DatasetTools | None = None) -> list[dict]:
+    """Normalised rows {"id", "prompt", "answer", "split"[, "pattern", "system", "metadata", "calls"]}; every
+    problem is one UserError naming the file, line (or row) and column."""
     if scorer not in SCORERS:
         raise UserError(f"--scorer {scorer!r}: scorers are {', '.join(SCORERS)}")
     rows, seen_ids, prompts = [], {}, {}
@@ -136,6 +250,14 @@ def read_dataset(path: Path, scorer: str, columns: Columns = Columns(), heldout_
                                 f"{', '.join(sorted(record))})")
             row["metadata"] = {column: json.loads(json.dumps(record[column], default=str))  # Parquet dates, bytes
                                for column in columns.metadata}
+        if tools is not None:
+            raw = record.get(columns.calls)
+            if raw in (None, "", []):
+                if tools.declared.require_tool_call:
+                    raise UserError(f"{where}: column {columns.calls!r}: missing; {tools.path.name} sets "
+                                    "require_tool_call, so every row needs the tool calls of a correct episode")
+            else:
+                row["calls"] = _calls(where, columns.calls, raw, tools, row)
         key = " ".join(prompt.casefold().split())
         earlier = prompts.get(key)
         if earlier and {earlier[1], split} == {"train", "heldout"}:
@@ -149,25 +271,32 @@ def read_dataset(path: Path, scorer: str, columns: Columns = Columns(), heldout_
 
 
 def write_package(out: Path, name: str, rows: list[dict], scorer: str, *, tolerance: float,
-                  system_prompt: str) -> Path:
-    """A task package in `out` holding the rows and a family named `name`; returns the plan snippet's path."""
+                  system_prompt: str, tools: DatasetTools | None = None) -> Path:
+    """A task package in `out` holding the rows and a family named `name` (with a tool dataset's tools.json
+    and its module as the package's `tools` module); returns `out`."""
     if not re.fullmatch(r"[a-z][a-z0-9-]*", name):
         raise UserError(f"--name {name!r}: lower-case letters, digits and dashes, starting with a letter")
     module = "dataset_" + name.replace("-", "_")
     source = out / "src" / module
     source.mkdir(parents=True, exist_ok=True)
     write_atomic(source / "data.jsonl", "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode())
+    tool_arguments, data_files = "", ["data.jsonl"]
+    if tools is not None:
+        write_atomic(source / "tools.json", json.dumps(msgspec.to_builtins(tools.declared), indent=1).encode())
+        write_atomic(source / "tools.py", tools.module_path.read_bytes())
+        tool_arguments = ", tools=Path(__file__).with_name('tools.json'), implementation=__name__ + '.tools'"
+        data_files.append("tools.json")
     write_atomic(source / "__init__.py", (
         f'"""Task family {name!r}, generated by `runner tasks from-dataset` from {len(rows)} rows."""\n\n'
         "from pathlib import Path\n\nfrom qualification.tasks.dataset import DatasetFamily\n\n"
         f"FAMILY = DatasetFamily({name!r}, Path(__file__).with_name('data.jsonl'), {scorer!r}, "
-        f"tolerance={tolerance!r}, system_prompt={system_prompt!r})\n").encode())
+        f"tolerance={tolerance!r}, system_prompt={system_prompt!r}{tool_arguments})\n").encode())
+    dependencies = f'dependencies = ["{MATH_REQUIREMENT}"]\n' if scorer == "math" else ""
     write_atomic(out / "pyproject.toml", (
         '[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = "setuptools.build_meta"\n\n'
         f'[project]\nname = "{module.replace("_", "-")}"\nversion = "1.0.0"\nrequires-python = ">=3.10"\n'
-        + (f'dependencies = ["{MATH_REQUIREMENT}"]\n' if scorer == "math" else "") + "\n"
-        '[tool.setuptools.packages.find]\nwhere = ["src"]\n\n'
-        f'[tool.setuptools.package-data]\n{module} = ["data.jsonl"]\n\n'
+        f'{dependencies}\n[tool.setuptools.packages.find]\nwhere = ["src"]\n\n'
+        f'[tool.setuptools.package-data]\n{module} = {json.dumps(data_files)}\n\n'
         f'[project.entry-points."runner.task_families"]\n{name} = "{module}:FAMILY"\n').encode())
     if scorer == "math":  # the scorer's library, pinned with hashes (installed into the package's folder)
         write_atomic(out / "requirements.lock", MATH_LOCK.read_bytes())

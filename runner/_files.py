@@ -1,14 +1,16 @@
-"""Reading the files a user hands runner (plans aside: runner._plan): text that must exist and be UTF-8, and
-TOML decoded into a typed record, every error one line naming the file, the line where known, and the field."""
+"""Reading the files a user hands runner: text that must exist and be UTF-8, TOML and YAML decoded into
+typed records, every error one line naming the file, the line where known, and the field."""
 
 from __future__ import annotations
 
+import math
 import re
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import yaml
 
 from runner_contracts.io import explain_error
 
@@ -76,3 +78,94 @@ def convert(data: Any, record_type: type[T], path: Path, text: str) -> T:
         line = toml_line(text, field)
         where = f"{path}:{line}" if line else str(path)
         raise UserError(f"{where}: field {field or '(file)'}: {message}") from None
+
+
+# --- YAML --------------------------------------------------------------------------------------------
+
+
+def yaml_line(root: yaml.Node | None, field_path: str) -> int | None:
+    """1-based line of the YAML node at a msgspec path like 'budget.steps' or 'seeds[1]'."""
+    node = root
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", field_path):
+        if isinstance(node, yaml.MappingNode):
+            match = next((value for key, value in node.value if key.value == part), None)
+            if match is None:
+                return line
+            line = next(key for key, value in node.value if key.value == part).start_mark.line + 1
+            node = match
+        elif isinstance(node, yaml.SequenceNode) and part.startswith("["):
+            index = int(part[1:-1])
+            if index >= len(node.value):
+                return line
+            node = node.value[index]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def _duplicate_key(node: yaml.Node, path: str = "") -> tuple[str, int, int] | None:
+    """(field, line, first line) of the first mapping key given twice, anywhere in the document."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[str, int] = {}
+        for key, value in node.value:
+            field = f"{path}.{key.value}" if path else str(key.value)
+            if key.value in seen:
+                return field, key.start_mark.line + 1, seen[key.value]
+            seen[key.value] = key.start_mark.line + 1
+            if found := _duplicate_key(value, field):
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            if found := _duplicate_key(item, f"{path}[{index}]"):
+                return found
+    return None
+
+
+def _non_finite(data: Any, path: str = "") -> str | None:
+    """The field path of the first NaN or infinity (YAML's .nan, .inf)."""
+    if isinstance(data, float) and not math.isfinite(data):
+        return path
+    children = data.items() if isinstance(data, dict) else enumerate(data) if isinstance(data, list) else ()
+    for key, value in children:
+        if found := _non_finite(value, f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}".lstrip(".")):
+            return found
+    return None
+
+
+def parse_yaml(path: Path, what: str, shape: str) -> tuple[dict, yaml.Node]:
+    """The YAML mapping in `path` and its node tree (for yaml_line); refuses bad YAML, a document that is
+    not a mapping (`shape` says what it should be), a key given twice and a non-finite number."""
+    text = read_text(path, what)
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise UserError(f"{where}: not valid YAML: {getattr(error, 'problem', error)}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}:1: {shape}")
+    if duplicate := _duplicate_key(root):
+        field, line, first = duplicate
+        raise UserError(f"{path}:{line}: field {field}: given twice (first on line {first}); say it once")
+    if field := _non_finite(data):
+        raise UserError(f"{path}:{yaml_line(root, field)}: field {field}: not a finite number")
+    return data, root
+
+
+def read_yaml(path: Path, record_type: type[T], what: str, shape: str) -> T:
+    """The YAML file as `record_type`; a field error names its line."""
+    data, root = parse_yaml(path, what, shape)
+    return convert_yaml(data, root, record_type, path)
+
+
+def convert_yaml(data: Any, root: yaml.Node, record_type: type[T], path: Path, whole: str = "(file)") -> T:
+    try:
+        return msgspec.convert(data, record_type)
+    except msgspec.ValidationError as error:
+        field, reason = explain_error(error)
+        field = "" if field == "(record)" else field
+        line = yaml_line(root, field) if field else None
+        raise UserError(f"{path}{f':{line}' if line else ''}: field {field or whole}: {reason}") from None

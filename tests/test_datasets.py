@@ -15,7 +15,7 @@ import pytest
 from qualification.tasks import Transcript
 from qualification.tasks.dataset import correct
 
-from runner._datasets import Columns, read_dataset
+from runner._datasets import Columns, read_dataset, read_tools, write_package
 from runner.api import UserError
 
 RUNNER = str(Path(sys.executable).parent / "runner")
@@ -199,3 +199,79 @@ def test_a_dataset_family_scores_its_own_rows(tmp_path):
     assert not family.score(item, Transcript(final_text=item.reference["answer"])).success  # no 'Answer:' line
     with pytest.raises(ValueError, match="has .* rows, the plan asks for 99"):
         family.generate("train", 99, 0)
+
+
+ORDERS = Path(__file__).resolve().parents[1] / "examples" / "support-orders"
+
+
+def orders_rows(n: int = 20) -> list[dict]:
+    with open(ORDERS / "orders.csv", newline="") as handle:
+        return [dict(row) for row, _ in zip(csv.DictReader(handle), range(n))]
+
+
+def test_a_tool_datasets_rows_carry_replayed_calls_and_its_family_calls_the_teams_tool(tmp_path):
+    from qualification.tasks.dataset import DatasetFamily
+
+    tools = read_tools(ORDERS / "tools.yaml")
+    rows = read_dataset(jsonl(tmp_path / "qa.jsonl", orders_rows()), "exact", tools=tools)
+    assert rows[0]["calls"] == [{"name": "order_status", "arguments": {"order_id": "C-9994"}}]
+    write_package(tmp_path / "pkg", "orders", rows, "exact", tolerance=0, system_prompt="Look it up.", tools=tools)
+    source = tmp_path / "pkg" / "src" / "dataset_orders"
+    sys.path.insert(0, str(source.parent))
+    try:
+        import dataset_orders
+    finally:
+        sys.path.remove(str(source.parent))
+    family: DatasetFamily = dataset_orders.FAMILY
+    assert [(t.name, [p.name for p in t.params]) for t in family.tools] == [("order_status", ["order_id"])]
+    item = family.generate("train", 1, 0)[0]
+    state = family.initial_state(item)
+    assert family.call_tool(item, state, "order_status", {"order_id": "C-9994"}) == "delivered"
+    assert family.call_tool(item, state, "order_status", {"order_id": "nope"}).startswith("error: ValueError: no order")
+    assert family.call_tool(item, state, "refund", {}) == "error: this task has no tool 'refund'"
+    from qualification.tasks import ToolCall, check_family
+
+    answered = Transcript(final_text="Answer: delivered")
+    assert not family.score(item, answered).success  # require_tool_call: the right answer without a call fails
+    looked_up = Transcript(final_text="Answer: delivered",
+                           tool_calls=[ToolCall("order_status", {"order_id": "C-9994"}, "delivered")])
+    assert family.score(item, looked_up).success
+    problems, counts = check_family(family, n=4, seed=0)
+    assert problems == [] and counts["cases"] == 4 * 5  # correct, wrong, no-answer-line, malformed-call, no-tool
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda r: r.update(calls=""), "qa.jsonl:1: column 'calls': missing; tools.yaml sets require_tool_call"),
+    (lambda r: r.update(calls="[{"), "qa.jsonl:1: column 'calls': not valid JSON"),
+    (lambda r: r.update(calls='[{"name": "refund", "arguments": {}}]'), "call 1 names 'refund'; tools.yaml declares order_status"),
+    (lambda r: r.update(calls='[{"name": "order_status", "arguments": {"id": "A-1"}}]'), "arguments must be exactly order_id"),
+    (lambda r: r.update(calls='[{"name": "order_status", "arguments": {"order_id": 7}}]'), "argument order_id is not a string"),
+    (lambda r: r.update(calls='[{"name": "order_status", "arguments": {"order_id": "A-1"}}]'),
+     "call 1 order_status returned \"error: ValueError: no order 'A-1'"),
+])
+def test_a_bad_calls_column_is_one_error_naming_the_row(tmp_path, change, message):
+    rows = orders_rows(3)
+    change(rows[0])
+    with pytest.raises(UserError) as raised:
+        read_dataset(jsonl(tmp_path / "qa.jsonl", rows), "exact", tools=read_tools(ORDERS / "tools.yaml"))
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(("sidecar", "module", "message"), [
+    ("module: orders.py\ntools: []\n", "", "tools.yaml:2: field tools: empty"),
+    ("module: orders.py\ntools:\n  - {name: order_status, description: x, parameters: [{name: order_id, type: str}]}\n",
+     "", "tools.yaml:3: field tools[0].parameters[0].type: 'str' is not one of string, integer, number"),
+    ("module: missing.py\ntools:\n  - {name: order_status, description: x}\n", "", "tools.yaml:1: field module: "),
+    ("module: orders.py\ntools:\n  - {name: refund, description: x}\n", "def order_status(state, order_id): pass\n",
+     "tools.yaml:3: field tools[0]: orders.py has no function refund(state, ...)"),
+    ("module: orders.py\ntools:\n  - {name: order_status, description: x, parameters: [{name: order_id, type: string}]}\n",
+     "def order_status(state): pass\n", "orders.py:order_status cannot be called as order_status(state, order_id)"),
+    ("module: orders.py\ntools:\n  - {name: order_status, description: x}\n", "import nope\n",
+     "orders.py: importing it failed: ModuleNotFoundError"),
+])
+def test_a_bad_tools_file_is_one_error_naming_its_line(tmp_path, sidecar, module, message):
+    (tmp_path / "tools.yaml").write_text(sidecar)
+    (tmp_path / "orders.py").write_text(module or (ORDERS / "orders.py").read_text())
+    with pytest.raises(UserError) as raised:
+        read_tools(tmp_path / "tools.yaml")
+    assert message in str(raised.value)

@@ -170,18 +170,25 @@ def from_dataset(
     tolerance: float = typer.Option(1e-6, "--tolerance", help="Scorer numeric: absolute tolerance."),
     system_prompt: str = typer.Option("Answer on the last line as 'Answer: <answer>'.", "--system-prompt",
                                       help="For rows without their own."),
+    tools_file: Path = typer.Option(None, "--tools", help="A tool-using dataset's sidecar (YAML): module (a .py "
+                                                          "file beside it), tools (name, description, parameters), "
+                                                          "require_tool_call. Rows give the calls of a correct "
+                                                          "episode in their calls column (--calls-column)."),
+    calls_column: str = typer.Option("calls", "--calls-column"),
 ) -> None:
     """Turn a dataset file into a task package: every row checked (a missing answer, a duplicate id, an
     empty prompt, a prompt in both train and held-out are refused, naming file, line and column), the rows
     and a family written to --out. Name the folder in a plan's task.packages to qualify on it."""
-    from .._datasets import Columns, read_dataset, write_package
+    from .._datasets import Columns, read_dataset, read_tools, write_package
 
     with cli_errors():
+        tools = read_tools(tools_file) if tools_file is not None else None
         rows = read_dataset(dataset, scorer, Columns(id=id_column, prompt=prompt_column, answer=answer_column,
                                                      split=split_column, pattern=pattern_column, system=system_column,
                                                      metadata=tuple(c.strip() for c in metadata_columns.split(",")
-                                                                    if c.strip())), heldout_share)
-        write_package(out, name, rows, scorer, tolerance=tolerance, system_prompt=system_prompt)
+                                                                    if c.strip()), calls=calls_column),
+                            heldout_share, tools)
+        write_package(out, name, rows, scorer, tolerance=tolerance, system_prompt=system_prompt, tools=tools)
     counts = {split: sum(1 for row in rows if row["split"] == split) for split in ("train", "heldout", "retention")}
     console.print(f"{name}: {len(rows)} rows ({', '.join(f'{k} {v}' for k, v in counts.items() if v)}) in {out}\n"
                   f"in a plan:\n  task:\n    family: {name}\n    packages: [{out}]\n"

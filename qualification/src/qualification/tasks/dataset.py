@@ -5,6 +5,10 @@ normalised into data.jsonl, a family class configured here); a plan then names i
 Every row is {"id", "prompt", "answer", "split"} (and, for the regex scorer, the "pattern" of accepted
 replies; optionally its own "system" prompt and "metadata", kept in the item's reference); a policy
 answers on its last line as 'Answer: <answer>'.
+A tool-using dataset adds tools.json (the tools' names, descriptions and parameters, from the team's
+sidecar file) and the team's module implementing them (`initial_state(row)` optional, one function per
+tool called as `function(state, **arguments)` and returning text); a row's "calls" are the tool calls of
+a correct episode (its demonstration and scripted cases), and with "require_tool_call" success needs one.
 Scorers: exact (case, surrounding space and final punctuation ignored), numeric (within an absolute
 tolerance), choice (the option letter), regex (the reply matches the row's pattern in full), math
 (mathematical equivalence by Hugging Face's math-verify: 1/2, 0.5 and \\frac{1}{2} are one answer).
@@ -13,6 +17,7 @@ MATH_LOCK, and the host and every stack import it from the package's folder."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import re
@@ -20,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .base import Score, TaskItem, ToolSpec, Transcript
+from .base import Score, TaskItem, ToolParam, ToolSpec, Transcript
 
 SCORERS = ("exact", "numeric", "choice", "regex", "math")
 MATH_REQUIREMENT = "math-verify[antlr4_13_2]==0.9.0"
@@ -103,19 +108,44 @@ def wrong_answer(scorer: str, reference: str) -> str:
     return f"not {reference}" if scorer == "exact" else "\u2205"
 
 
+def tool_specs(tools: list[dict[str, Any]]) -> tuple[ToolSpec, ...]:
+    """ToolSpecs from tools.json entries {"name", "description", "parameters": [{"name", "type", "description"}]}."""
+    return tuple(ToolSpec(tool["name"], tool["description"],
+                          tuple(ToolParam(p["name"], p["type"], p.get("description", "")) for p in tool["parameters"]))
+                 for tool in tools)
+
+
+def tool_row(row: dict[str, Any]) -> dict[str, Any]:
+    """What a dataset's tool module sees of its row: never the answer."""
+    return {"id": row["id"], "prompt": row["prompt"], "metadata": row.get("metadata", {})}
+
+
+def run_tool(module: Any, state: dict[str, Any], name: str, arguments: dict[str, Any]) -> str:
+    """A tool's result text; a call the tool refuses (a wrong argument, an exception) is an error result."""
+    try:
+        return str(getattr(module, name)(state, **arguments))
+    except Exception as error:  # the team's code: any failure is the policy's tool error, not a crash
+        return f"error: {type(error).__name__}: {error}"
+
+
 class DatasetFamily:
     """A family over normalised rows (data.jsonl beside the generated package's module)."""
 
     scorer_version = 1
     synthetic = False
-    tools: tuple[ToolSpec, ...] = ()
 
     def __init__(self, name: str, rows: Path, scorer: str, *, tolerance: float = 1e-6,
-                 system_prompt: str = "Answer on the last line as 'Answer: <answer>'."):
+                 system_prompt: str = "Answer on the last line as 'Answer: <answer>'.",
+                 tools: Path | None = None, implementation: str | None = None):
         if scorer not in SCORERS:
             raise ValueError(f"unknown scorer {scorer!r}; scorers are {', '.join(SCORERS)}")
         self.name, self.scorer, self.tolerance, self.system_prompt = name, scorer, tolerance, system_prompt
+        declared = json.loads(tools.read_text()) if tools is not None else {"tools": [], "require_tool_call": False}
+        self.tools = tool_specs(declared["tools"])
+        self.require_tool_call = bool(declared["require_tool_call"])
+        self.implementation = implementation
         self.rows = [json.loads(line) for line in rows.read_text().splitlines() if line.strip()]
+        self.rows_by_task_id = {f"{name}/{row['id']}": row for row in self.rows}
         self.by_split: dict[str, list[dict[str, Any]]] = {}
         for row in self.rows:
             self.by_split.setdefault(row["split"], []).append(row)
@@ -133,31 +163,71 @@ class DatasetFamily:
         if seed:
             random.Random(f"{self.name}/{split}/{seed}").shuffle(rows)
         return [TaskItem(family=self.name, split=split, task_id=f"{self.name}/{row['id']}", question=row["prompt"],
-                         reference={"answer": row["answer"], **{key: row[key] for key in ("pattern", "metadata") if row.get(key)}})
+                         reference={"answer": row["answer"],
+                                    **{key: row[key] for key in ("pattern", "metadata", "calls") if row.get(key)}})
                 for row in rows[:n]]
 
+    def demonstration_items(self, n: int, seed: int) -> list[TaskItem]:
+        """n train items for a tiny policy's warm start: the train rows in a seeded order, repeated when the
+        file has fewer than n (a file has no generator)."""
+        rows = self.generate("train", len(self.by_split.get("train", [])), seed + 1)
+        return [rows[index % len(rows)] for index in range(n)] if rows else []
+
+    def _module(self) -> Any:
+        return importlib.import_module(self.implementation) if self.implementation else None
+
     def initial_state(self, item: TaskItem) -> dict[str, Any]:
-        return {}
+        module = self._module()
+        if not self.tools:
+            return {}
+        if module is None or not hasattr(module, "initial_state"):
+            return {"row": tool_row(self.rows_by_task_id[item.task_id])}
+        return module.initial_state(tool_row(self.rows_by_task_id[item.task_id]))
 
     def call_tool(self, item: TaskItem, state: dict[str, Any], name: str, arguments: dict[str, Any]) -> str:
-        return f"error: this task has no tool {name!r}"
+        if name not in {tool.name for tool in self.tools}:
+            return f"error: this task has no tool {name!r}"
+        return run_tool(self._module(), state, name, arguments)
 
     def score(self, item: TaskItem, transcript: Transcript) -> Score:
         reply = final_answer(transcript.final_text)
         ok = reply is not None and correct(self.scorer, reply, str(item.reference["answer"]), self.tolerance,
                                            item.reference.get("pattern"))
-        return Score(reward=float(ok), success=ok, components={"well_formed": float(reply is not None),
-                                                               "correct": float(ok)},
-                     outcome="success" if ok else "failure")
+        known = {tool.name for tool in self.tools}
+        used_tool = any(call.name in known and not call.result.startswith("error:") for call in transcript.tool_calls)
+        success = ok and (used_tool or not self.require_tool_call)
+        components = {"well_formed": float(reply is not None), "correct": float(ok)}
+        if self.tools:
+            components["used_tool"] = float(used_tool)
+        return Score(reward=float(success), success=success, components=components,
+                     outcome="success" if success else "failure")
+
+    def _call_messages(self, item: TaskItem) -> list[dict[str, Any]]:
+        """The row's reference calls as assistant tool-call and tool-result messages."""
+        state, messages = self.initial_state(item), []
+        for call in item.reference.get("calls", []):
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]})
+            messages.append({"role": "tool", "name": call["name"],
+                             "content": self.call_tool(item, state, call["name"], call["arguments"])})
+        return messages
 
     def demonstration(self, item: TaskItem) -> list[dict[str, Any]]:
-        return [{"role": "assistant", "content": f"Answer: {item.reference['answer']}"}]
+        return self._call_messages(item) + [{"role": "assistant", "content": f"Answer: {item.reference['answer']}"}]
 
     def scripted_cases(self, item: TaskItem) -> list[dict[str, Any]]:
         answer = str(item.reference["answer"])
-        return [
-            {"case": "correct", "expected_success": True, "turns": [{"text": f"Answer: {answer}"}]},
+        calls = [{"tool_call": {"name": c["name"], "arguments": c["arguments"]}} for c in item.reference.get("calls", [])]
+        cases = [
+            {"case": "correct", "expected_success": True, "turns": [*calls, {"text": f"Answer: {answer}"}]},
             {"case": "wrong", "expected_success": False,
-             "turns": [{"text": f"Answer: {wrong_answer(self.scorer, answer)}"}]},
-            {"case": "no-answer-line", "expected_success": False, "turns": [{"text": answer}]},
+             "turns": [*calls, {"text": f"Answer: {wrong_answer(self.scorer, answer)}"}]},
+            {"case": "no-answer-line", "expected_success": False, "turns": [*calls, {"text": answer}]},
         ]
+        if self.tools:
+            first = self.tools[0].name
+            cases.append({"case": "malformed-call", "expected_success": False,
+                          "turns": [{"raw_tool_call": '{"name": "' + first + '", "arguments": '}]})
+        if self.require_tool_call:
+            cases.append({"case": "no-tool", "expected_success": False, "turns": [{"text": f"Answer: {answer}"}]})
+        return cases

@@ -70,12 +70,20 @@ def prompt_messages(item: TaskItem) -> list[dict[str, str]]:
     return opening_messages(get_family(item.family), item)
 
 
+def demonstration_items(family, recipe: TinyRecipe) -> list:
+    """The train items a family's demonstrations come from: its own choice where it has one (a dataset
+    family repeats its rows), else demos_per_family generated ones."""
+    if hasattr(family, "demonstration_items"):
+        return family.demonstration_items(recipe.demos_per_family, recipe.seed)
+    return family.generate("train", recipe.demos_per_family, recipe.seed)
+
+
 def _conversations(recipe: TinyRecipe):
     """(family, messages, tools) for every demonstration of the train splits."""
     for family_name in recipe.families:
         family = get_family(family_name)
         tools = tool_methods(environment_class(family_name)()) or None
-        for item in family.generate("train", recipe.demos_per_family, recipe.seed):
+        for item in demonstration_items(family, recipe):
             yield family_name, prompt_messages(item) + family.demonstration(item), tools
 
 
@@ -147,7 +155,7 @@ def assistant_mask(tokenizer, ids: list[int]) -> list[int]:
 def sft_rows(tokenizer, recipe: TinyRecipe) -> list[dict[str, list[int]]]:
     rows = []
     for family_name in recipe.families:
-        for item in get_family(family_name).generate("train", recipe.demos_per_family, recipe.seed):
+        for item in demonstration_items(get_family(family_name), recipe):
             ids, mask = demonstration_ids(tokenizer, family_name, item)
             rows.append({"input_ids": ids, "assistant_masks": mask})
     return rows
