@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -44,7 +44,7 @@ class Columns:
 
 class ToolParameter(msgspec.Struct, forbid_unknown_fields=True):
     name: str
-    type: str  # string, integer or number (PYTHON_TYPES)
+    type: Literal["string", "integer", "number"]
     description: str = ""
 
 
@@ -86,11 +86,6 @@ def read_tools(path: Path) -> DatasetTools:
         raise UserError(f"{path}:{yaml_line(root, 'tools')}: field tools: empty; declare at least one tool")
     names = [tool.name for tool in declared.tools]
     for index, tool in enumerate(declared.tools):
-        for position, parameter in enumerate(tool.parameters):
-            if parameter.type not in PYTHON_TYPES:
-                field = f"tools[{index}].parameters[{position}].type"
-                raise UserError(f"{path}:{yaml_line(root, field)}: field {field}: {parameter.type!r} is not one of "
-                                f"{', '.join(PYTHON_TYPES)}")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", tool.name) or names.index(tool.name) != index:
             raise UserError(f"{path}:{yaml_line(root, f'tools[{index}].name')}: field tools[{index}].name: "
                             f"{tool.name!r} is not a unique Python identifier")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import msgspec.inspect
 import yaml
 
 from runner_contracts.io import explain_error
@@ -69,12 +70,38 @@ def read_toml(path: Path, record_type: type[T], what: str = "file") -> T:
     return convert(data, record_type, path, text)
 
 
+def allowed_values(record_type: Any, field: str) -> tuple[Any, ...] | None:
+    """The values a Literal field at `field` ('policy.tool_format', 'tools[0].type') admits, else None."""
+    node: Any = msgspec.inspect.type_info(record_type)
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", field):
+        while isinstance(node, msgspec.inspect.UnionType):  # Optional[...] and unions: the container member
+            node = next((t for t in node.types if not isinstance(t, msgspec.inspect.NoneType)), None)
+        if isinstance(node, (msgspec.inspect.ListType, msgspec.inspect.TupleType)) and part.startswith("["):
+            node = node.item_type if hasattr(node, "item_type") else None
+        elif isinstance(node, msgspec.inspect.DictType):
+            node = node.value_type
+        elif isinstance(node, msgspec.inspect.StructType):
+            node = next((f.type for f in node.fields if f.encode_name == part), None)
+        else:
+            return None
+    return tuple(node.values) if isinstance(node, msgspec.inspect.LiteralType) else None
+
+
+def explain(error: msgspec.ValidationError, record_type: Any) -> tuple[str, str]:
+    """(field path, reason) of a validation error; an enum error says which values the field takes."""
+    field, message = explain_error(error)
+    field = "" if field == "(record)" else field
+    values = allowed_values(record_type, field) if field and message.startswith("Invalid enum value") else None
+    if values:
+        message += f"; expected one of {', '.join(map(str, values))}"
+    return field, message
+
+
 def convert(data: Any, record_type: type[T], path: Path, text: str) -> T:
     try:
         return msgspec.convert(data, record_type)
     except msgspec.ValidationError as error:
-        field, message = explain_error(error)
-        field = "" if field == "(record)" else field
+        field, message = explain(error, record_type)
         line = toml_line(text, field)
         where = f"{path}:{line}" if line else str(path)
         raise UserError(f"{where}: field {field or '(file)'}: {message}") from None
@@ -165,7 +192,6 @@ def convert_yaml(data: Any, root: yaml.Node, record_type: type[T], path: Path, w
     try:
         return msgspec.convert(data, record_type)
     except msgspec.ValidationError as error:
-        field, reason = explain_error(error)
-        field = "" if field == "(record)" else field
+        field, reason = explain(error, record_type)
         line = yaml_line(root, field) if field else None
         raise UserError(f"{path}{f':{line}' if line else ''}: field {field or whole}: {reason}") from None

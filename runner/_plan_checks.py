@@ -72,9 +72,13 @@ def _policy_problems(plan: Plan) -> Iterator[tuple[str, str]]:
     if spec.kind == "path":
         if not spec.path:
             yield "policy.path", "required when policy.kind is 'path'"
-        elif problems := checkpoint_problems(Path(spec.path)):
+        elif problems := checkpoint_problems(Path(spec.path), spec.tool_format):
             yield "policy.path", "the checkpoint cannot be used: " + "; ".join(problems)
         return  # a tiny recipe left beside kind: path is not used
+    if spec.tool_format != "hermes":
+        yield ("policy.tool_format", f"{spec.tool_format!r} with policy.kind 'tiny': the tiny policy is a Qwen2 "
+               "checkpoint writing hermes tool calls (tiny Llama and Mistral builds are not made yet); give a "
+               "checkpoint by path")
     for field in ("path", "sha256"):
         if getattr(spec, field) is not None and plan.plan_id is None:  # a frozen plan (plan.json) names its build
             yield f"policy.{field}", "given with policy.kind 'tiny', which builds its own weights; use kind: path"

@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 
 from qualification.tasks import sources
-from runner_contracts import Plan, PolicySpec, StageRequest, canonical_json, freeze_plan, sha256_file
+from runner_contracts import (TOOL_CALL_MARKERS, Plan, PolicySpec, StageRequest, canonical_json, freeze_plan,
+                              sha256_file)
 
 from ._engines.jobs import file_lock, last_error_lines, tree_hash
 from ._engines.local import LocalEngine
@@ -99,7 +100,7 @@ def resolve_policy(plan: Plan, engine: LocalEngine) -> Plan:
         if not spec.path:
             raise UserError("plan field policy.path: required when policy.kind is 'path'")
         path = Path(spec.path).expanduser().resolve()
-        problems = checkpoint_problems(path)
+        problems = checkpoint_problems(path, spec.tool_format)
         if problems:
             raise UserError("plan field policy.path: the checkpoint cannot be used:\n  " + "\n  ".join(problems))
     digest = sha256_file(path / WEIGHTS)
@@ -109,10 +110,10 @@ def resolve_policy(plan: Plan, engine: LocalEngine) -> Plan:
     return freeze_plan(msgspec.structs.replace(plan, policy=policy, plan_id=None))
 
 
-def checkpoint_problems(path: Path) -> list[str]:
+def checkpoint_problems(path: Path, tool_format: str = "hermes") -> list[str]:
     """What keeps a checkpoint folder from being served and trained by every arm, one line per problem,
     each naming the file: the config, the weights, a tokenizer, a chat template, and a template that
-    renders Hermes-style <tool_call> blocks (the one tool-call format the policy server and the arms speak)."""
+    renders tool calls the way the plan's policy.tool_format says the checkpoint writes them."""
     if not path.is_dir():
         return [f"{path}: no such folder"]
     problems = []
@@ -141,10 +142,11 @@ def checkpoint_problems(path: Path) -> list[str]:
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     if not template:
         problems.append(f"{path / 'tokenizer_config.json'}: no chat_template (nor a chat_template.jinja)")
-    elif "<tool_call>" not in template:
-        problems.append(f"{path}: the chat template renders no Hermes-style <tool_call> blocks, the one tool-call "
-                        "format the policy server and the arms speak (Llama 3 JSON and Mistral [TOOL_CALLS] "
-                        "templates are not supported yet)")
+    elif TOOL_CALL_MARKERS[tool_format] not in template:
+        found = [name for name, marker in TOOL_CALL_MARKERS.items() if marker in template]
+        problems.append(f"{path}: the chat template does not render {tool_format} tool calls (no "
+                        f"{TOOL_CALL_MARKERS[tool_format]} in it)" + (f"; it looks like {' or '.join(found)}: set "
+                        "policy.tool_format" if found else ""))
     return problems
 
 

@@ -37,7 +37,8 @@ def test_a_complete_checkpoint_has_no_problem(tmp_path):
     ({"tokenizer.json": None}, "tokenizer.json: missing (nor a tokenizer.model)"),
     ({"tokenizer_config.json": "{}"}, "tokenizer_config.json: no chat_template (nor a chat_template.jinja)"),
     ({"tokenizer_config.json": json.dumps({"chat_template": "{{ messages }}[TOOL_CALLS]"})},
-     "the chat template renders no Hermes-style <tool_call> blocks"),
+     "the chat template does not render hermes tool calls (no <tool_call> in it); it looks like mistral: set "
+     "policy.tool_format"),
 ])
 def test_each_problem_is_named(tmp_path, override, problem):
     found = checkpoint_problems(checkpoint(tmp_path / "ckpt", **override))
@@ -54,3 +55,31 @@ def test_a_plan_with_a_broken_checkpoint_stops_before_any_stage(tmp_path):
         resolve_policy(plan, engine=None)
     lines = str(raised.value).splitlines()
     assert lines[0] == "plan field policy.path: the checkpoint cannot be used:" and len(lines) == 3
+
+
+LLAMA_TEMPLATE = ("{%- for message in messages %}{%- if message.tool_calls %}{{- '{\"name\": \"' + "
+                  "message.tool_calls[0].function.name + '\", ' }}{{- '\"parameters\": ' }}"
+                  "{{- message.tool_calls[0].function.arguments | tojson }}{%- endif %}{%- endfor %}")
+
+
+@pytest.mark.parametrize(("tool_format", "template", "problem"), [
+    ("llama3_json", LLAMA_TEMPLATE, None),
+    ("mistral", "{{ bos_token }}[TOOL_CALLS]{{ tool_calls | tojson }}", None),
+    ("mistral", LLAMA_TEMPLATE, 'does not render mistral tool calls (no [TOOL_CALLS] in it); it looks like llama3_json'),
+    ("llama3_json", "{{ messages }}", 'does not render llama3_json tool calls (no "parameters" in it)'),
+])
+def test_the_template_must_render_the_plans_tool_call_format(tmp_path, tool_format, template, problem):
+    folder = checkpoint(tmp_path / "ckpt", **{"tokenizer_config.json": json.dumps({"chat_template": template})})
+    found = checkpoint_problems(folder, tool_format)
+    assert (found == []) if problem is None else (len(found) == 1 and problem in found[0]), found
+
+
+def test_the_tiny_policy_writes_hermes_calls_only(tmp_path):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN.read_text().replace("  tiny: {seed: 0}", "  tiny: {seed: 0}\n  tool_format: mistral"))
+    with pytest.raises(UserError, match=r"plan.yaml:\d+: field policy.tool_format: 'mistral' with policy.kind 'tiny'"):
+        load_plan(plan)
+    plan.write_text(PLAN.read_text().replace("  tiny: {seed: 0}", "  tiny: {seed: 0}\n  tool_format: xml"))
+    with pytest.raises(UserError, match=r"field policy.tool_format: Invalid enum value 'xml'; expected one of hermes, "
+                                        r"llama3_json, mistral"):
+        load_plan(plan)

@@ -260,7 +260,7 @@ def test_a_bad_calls_column_is_one_error_naming_the_row(tmp_path, change, messag
 @pytest.mark.parametrize(("sidecar", "module", "message"), [
     ("module: orders.py\ntools: []\n", "", "tools.yaml:2: field tools: empty"),
     ("module: orders.py\ntools:\n  - {name: order_status, description: x, parameters: [{name: order_id, type: str}]}\n",
-     "", "tools.yaml:3: field tools[0].parameters[0].type: 'str' is not one of string, integer, number"),
+     "", "tools.yaml:3: field tools[0].parameters[0].type: Invalid enum value 'str'; expected one of integer, number, string"),
     ("module: missing.py\ntools:\n  - {name: order_status, description: x}\n", "", "tools.yaml:1: field module: "),
     ("module: orders.py\ntools:\n  - {name: refund, description: x}\n", "def order_status(state, order_id): pass\n",
      "tools.yaml:3: field tools[0]: orders.py has no function refund(state, ...)"),

@@ -30,7 +30,8 @@ from runner_contracts import (
 )
 from runner_kit.continuity import chain_calls
 from runner_kit.http import HttpError, get_json, post_json
-from runner_kit.policy import openai_tools, parse_tool_calls
+from runner_kit.policy import openai_tools
+from runner_kit.tool_formats import parse_tool_calls
 from runner_kit.reference_backend import ReferenceBackend
 from runner_kit.rollout import BatchRunner, EnvironmentDown, PolicyEndpoint, RolloutService, post_to_environment
 from runner_kit.scripted_policy import ScriptedPolicyServer

@@ -10,6 +10,10 @@ TokenId = Annotated[int, msgspec.Meta(ge=0)]
 LogProb = Annotated[float, msgspec.Meta(le=0.0)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+# How the policy writes tool calls in its completions (vLLM's --tool-call-parser names); runner_kit.tool_formats.
+ToolFormat = Literal["hermes", "llama3_json", "mistral"]
+# A string a chat template contains when it renders (and so teaches) the format's tool calls.
+TOOL_CALL_MARKERS: dict[str, str] = {"hermes": "<tool_call>", "llama3_json": '"parameters"', "mistral": "[TOOL_CALLS]"}
 SegmentSource = Literal["prompt", "policy", "tool", "env"]
 Outcome = Literal["success", "failure", "truncated", "error"]
 Status = Literal["passed", "failed", "error", "skipped"]
@@ -55,6 +59,7 @@ class PolicySpec(Record, kw_only=True):
     sha256: Sha256 | None = None
     revision: str | None = None
     tiny: dict[str, Any] | None = None  # overrides of TinyRecipe's fields for kind=tiny (seed, sft_steps, ...)
+    tool_format: ToolFormat = "hermes"
 
 
 class TinyRecipe(Record, kw_only=True, frozen=True):
@@ -411,6 +416,7 @@ class RolloutRequest(Record, kw_only=True):
     policy_base_url: str  # ends in /v1
     policy_model: str = "policy"
     tokenizer_dir: str | None = None  # for stacks that tokenize themselves (token-in/token-out clients)
+    tool_format: ToolFormat = "hermes"  # how the policy writes tool calls, for stacks that parse raw text
     sampling: SamplingSpec
     concurrency: Annotated[int, msgspec.Meta(ge=1)] = 4
     max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 2

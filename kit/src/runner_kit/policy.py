@@ -9,7 +9,6 @@ metadata.episode_id. A call none of them names cannot be attributed and is refus
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.parse
 import uuid
@@ -24,9 +23,6 @@ MODELS_PATH = EPISODE_PREFIX + r"/v1/models"
 GENERATE_PATH = EPISODE_PREFIX + r"/inference/v1/generate"
 EPISODE_HEADER = "X-Episode-ID"
 ATTEMPT_MARK = "~attempt-"  # a retried episode's id: "<episode id>~attempt-<n>", n >= 2
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
 
 def episode_of(call: Call) -> tuple[str | None, str]:
     """(episode id, channel) of a policy call; (None, "none") when nothing names the episode."""
@@ -59,25 +55,6 @@ def require_episode(call: Call) -> tuple[str, str]:
         raise HttpError(400, "policy call cannot be attributed to an episode: send header X-Episode-ID, body "
                              "metadata.episode_id, or call through /episodes/<id>/v1")
     return episode, channel
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Hermes/Qwen `<tool_call>{json}</tool_call>` blocks -> (remaining content, OpenAI tool_calls).
-    A block that is not valid JSON with a name stays in the content, as vLLM's hermes parser leaves it."""
-    calls: list[dict[str, Any]] = []
-    for block in _TOOL_CALL.findall(text):
-        try:
-            parsed = json.loads(block)
-            name, arguments = parsed["name"], parsed.get("arguments", {})
-            if not isinstance(name, str) or not isinstance(arguments, dict):
-                raise TypeError
-        except (ValueError, KeyError, TypeError):
-            return text, []
-        calls.append({"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
-    if not calls:
-        return text, []
-    return _TOOL_CALL.sub("", text).strip(), calls
 
 
 def chat_completion(*, model: str, content: str | None, tool_calls: list[dict[str, Any]], finish_reason: str,

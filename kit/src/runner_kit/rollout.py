@@ -93,6 +93,7 @@ class PolicyEndpoint:
     model: str
     sampling: SamplingSpec
     tokenizer_dir: str | None = None
+    tool_format: str = "hermes"  # how the policy writes tool calls (runner_kit.tool_formats)
 
     def headers(self, episode_id: str) -> dict[str, str]:
         return {EPISODE_HEADER: episode_id}
@@ -278,7 +279,8 @@ class BatchRunner:
     def run(self, request: RolloutRequest) -> RolloutResponse:
         started = time.monotonic()
         policy = PolicyEndpoint(base_url=request.policy_base_url, model=request.policy_model,
-                                sampling=request.sampling, tokenizer_dir=request.tokenizer_dir)
+                                sampling=request.sampling, tokenizer_dir=request.tokenizer_dir,
+                                tool_format=request.tool_format)
         counter = {"restarts": 0}
         counter_lock = threading.Lock()
 
@@ -381,9 +383,10 @@ def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:
     scripts = {episode.episode_id: case["turns"] for episode, _, case in episodes}
     backend.start()
     try:
-        with ScriptedPolicyServer(scripts) as scripted:
+        with ScriptedPolicyServer(scripts, plan.policy.tool_format) as scripted:
             batch = RolloutRequest(episodes=[e for e, _, _ in episodes], policy_base_url=scripted.base_url,
-                                   policy_model=scripted.model, sampling=plan.sampling, concurrency=2)
+                                   policy_model=scripted.model, sampling=plan.sampling, concurrency=2,
+                                   tool_format=plan.policy.tool_format)
             response = BatchRunner(backend).run(batch)
             calls = scripted.call_records()
     finally:

@@ -27,6 +27,7 @@ from .policy import (
     split_attempt,
     stream_chunks,
 )
+from .tool_formats import malformed_call
 
 
 class ScriptedPolicyServer:
@@ -34,8 +35,9 @@ class ScriptedPolicyServer:
 
     model = "scripted-policy"
 
-    def __init__(self, scripts: dict[str, list[dict[str, Any]]]):
+    def __init__(self, scripts: dict[str, list[dict[str, Any]]], tool_format: str = "hermes"):
         self.scripts = scripts
+        self.tool_format = tool_format  # how a malformed call is written (the plan's policy.tool_format)
         self.calls: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._server = JsonServer([
@@ -93,7 +95,7 @@ class ScriptedPolicyServer:
                            "function": {"name": call_spec["name"],
                                         "arguments": json.dumps(call_spec["arguments"], ensure_ascii=False)}}]
         elif "raw_tool_call" in turn:
-            content, finish, tool_calls = f"<tool_call>\n{turn['raw_tool_call']}\n</tool_call>", "stop", []
+            content, finish, tool_calls = malformed_call(turn["raw_tool_call"], self.tool_format), "stop", []
         else:
             content, finish, tool_calls = turn["text"], "stop", []
         completion = chat_completion(model=body.get("model") or self.model, content=content,

@@ -12,7 +12,6 @@ keeps the assistant message as the server returned it (the server's prefix conti
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import Any
@@ -22,6 +21,7 @@ from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
 from runner_kit.policy import tool_call_arguments
 from runner_kit.processes import SocketServer
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, ServerBackend, post_to_environment
+from runner_kit.tool_formats import render_tool_calls
 
 
 class EnvWorker(SocketServer):
@@ -53,14 +53,15 @@ class SkyRLGymBackend(ServerBackend):
         def env(path: str, **body: Any) -> Any:
             return post_to_environment(url + path, {"episode_id": episode.episode_id, **body})
 
-        made = env("/make", extras={"item": episode.item, "max_turns": episode.max_turns},
+        made = env("/make", extras={"item": episode.item, "max_turns": episode.max_turns,
+                                    "tool_format": policy.tool_format},
                    prompt=opening_messages(family, item))
         messages, tools = made["prompt"], made["info"]["tools"]
         try:
             while True:  # the env ends the episode: a final answer, or its turn limit
                 message, finish = policy.chat(episode.episode_id, messages, tools, timeout_s=self.policy_timeout_s)
                 text, calls = message.get("content") or "", message.get("tool_calls") or []
-                out = env("/step", action=hermes_text(text, calls))
+                out = env("/step", action=action_text(text, calls, policy.tool_format))
                 if out["done"]:
                     break
                 messages.append({"role": "assistant", "content": text, "tool_calls": calls})
@@ -82,11 +83,7 @@ class SkyRLGymBackend(ServerBackend):
             seconds=round(time.monotonic() - started, 3))
 
 
-def hermes_text(content: str, calls: list[dict[str, Any]]) -> str:
-    """The assistant turn as the text a SkyRL env steps on: the content, then one Hermes block per tool call
-    the policy server parsed out of it."""
-    blocks = []
-    for call in calls:
-        name, arguments = tool_call_arguments(call)
-        blocks.append(f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>")
-    return "\n".join(([content] if content else []) + blocks)
+def action_text(content: str, calls: list[dict[str, Any]], tool_format: str) -> str:
+    """The assistant turn as the text a SkyRL env steps on: the content and the tool calls the policy server
+    parsed out of it, written back in the policy's tool-call format."""
+    return render_tool_calls([tool_call_arguments(call) for call in calls], tool_format, content)

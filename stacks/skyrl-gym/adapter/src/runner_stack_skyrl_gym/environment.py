@@ -18,7 +18,8 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv, BaseTextEnvStepOutput, Con
 from skyrl_gym.tools.core import ToolGroup
 
 from qualification.tasks import TaskItem, ToolCall, Transcript, get_family
-from runner_kit.policy import openai_tools, parse_tool_calls
+from runner_kit.policy import openai_tools
+from runner_kit.tool_formats import parse_tool_calls
 
 ENV_ID = "runner-tasks"
 
@@ -46,6 +47,7 @@ class TaskTextEnv(BaseTextEnv):
         self.item = TaskItem.from_json(extras["item"])
         self.family = get_family(self.item.family)
         self.max_turns = int(extras.get("max_turns", 1))
+        self.tool_format = extras.get("tool_format", "hermes")
         self.world = self.family.initial_state(self.item)
         self.init_tool_groups([FamilyTools(self.family, self.item, self.world)])
         self.calls: list[ToolCall] = []
@@ -55,7 +57,7 @@ class TaskTextEnv(BaseTextEnv):
 
     def step(self, action: str) -> BaseTextEnvStepOutput:
         self.turns += 1
-        _, calls = parse_tool_calls(action)  # a malformed block means no call: the turn is an answer
+        _, calls = parse_tool_calls(action, self.tool_format)  # a malformed call is no call: the turn is an answer
         if not calls:
             return self._finish(action, truncated=False)
         observations = []

@@ -38,7 +38,8 @@ CONCURRENCY = 4
 def request_rollouts(service_url: str, episodes: list[EpisodeSpec], server: PolicyServer, plan: Plan,
                      tokenizer_dir: Path) -> RolloutResponse:
     batch = RolloutRequest(episodes=episodes, policy_base_url=server.base_url, policy_model=server.model_name,
-                           tokenizer_dir=str(tokenizer_dir), sampling=plan.sampling, concurrency=CONCURRENCY)
+                           tokenizer_dir=str(tokenizer_dir), sampling=plan.sampling, concurrency=CONCURRENCY,
+                           tool_format=plan.policy.tool_format)
     reply = post_json(f"{service_url}/rollouts", msgspec.to_builtins(batch), timeout=plan.budget.wall_clock_s)
     response = msgspec.convert(reply, RolloutResponse)
     returned = {result.episode_id for result in response.results}
@@ -151,7 +152,7 @@ def build_bridge(request: StageRequest, policy_dir: Path, output_dir: Path, *, s
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     model = AutoModelForCausalLM.from_pretrained(policy_dir)
     server = PolicyServer(model, tokenizer, sampling=plan.sampling, calls_path=Path(request.out_dir) / "calls.jsonl",
-                          revision=recorder.initial_revision if recorder else "")
+                          revision=recorder.initial_revision if recorder else "", tool_format=plan.policy.tool_format)
     bridge = Bridge(request, server, recorder)
     split = plan.task.train
     reward = EnvironmentReward()
@@ -230,7 +231,8 @@ def evaluate(request: StageRequest) -> StageResult:
             deterministic_torch(plan.sampling.seed)
             tokenizer = AutoTokenizer.from_pretrained(path)
             server = PolicyServer(AutoModelForCausalLM.from_pretrained(path), tokenizer, sampling=plan.sampling,
-                                  calls_path=out_dir / f"calls-{label}.jsonl", revision=label).start()
+                                  calls_path=out_dir / f"calls-{label}.jsonl", revision=label,
+                                  tool_format=plan.policy.tool_format).start()
             try:
                 for attempt in [None, *range(plan.evaluation.attempts if plan.evaluation else 0)]:
                     server.greedy = attempt is None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import os
 import shutil
 from pathlib import Path
@@ -20,6 +19,7 @@ from runner_contracts import (
     StageResult,
     sha256_file,
 )
+from runner_kit.tool_formats import malformed_call, render_tool_calls
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -76,13 +76,12 @@ def build_policy(request: StageRequest) -> StageResult:
 # --- service: scripted episodes through TRL's response parser, the environment and the reward ----------
 
 
-def _render_turn(turn: dict[str, Any]) -> str:
-    """A scripted assistant turn as raw model output in the Qwen/Hermes tool-call format."""
+def _render_turn(turn: dict[str, Any], tool_format: str) -> str:
+    """A scripted assistant turn as raw model output in the plan's tool-call format."""
     if "tool_call" in turn:
-        body = json.dumps(turn["tool_call"], ensure_ascii=False)
-        return f"<tool_call>\n{body}\n</tool_call>"
+        return render_tool_calls([(turn["tool_call"]["name"], turn["tool_call"]["arguments"])], tool_format)
     if "raw_tool_call" in turn:
-        return f"<tool_call>\n{turn['raw_tool_call']}\n</tool_call>"
+        return malformed_call(turn["raw_tool_call"], tool_format)
     return turn["text"]
 
 
@@ -117,7 +116,7 @@ def service(request: StageRequest) -> StageResult:
                     for turn in case["turns"]:
                         prefix = tokenizer.apply_chat_template(messages + completion, tools=tools, tokenize=True,
                                                                add_generation_prompt=True, return_dict=False)
-                        ids = tokenizer.encode(_render_turn(turn) + tokenizer.eos_token, add_special_tokens=False)
+                        ids = tokenizer.encode(_render_turn(turn, plan.policy.tool_format) + tokenizer.eos_token, add_special_tokens=False)
                         parsed = parse_response(tokenizer, ids, prefix=prefix, tools=tools)
                         completion.append(parsed)
                         for call in parsed.get("tool_calls") or []:

@@ -23,6 +23,7 @@ from typing import Any
 
 from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec
 from runner_kit.http import Call, HttpError, JsonServer, Reply
+from runner_kit.tool_formats import parse_tool_calls
 from runner_kit.policy import (
     CHAT_PATH,
     GENERATE_PATH,
@@ -32,7 +33,6 @@ from runner_kit.policy import (
     chat_completion,
     episode_of,
     models_body,
-    parse_tool_calls,
     split_attempt,
     stream_chunks,
     token_logprobs,
@@ -57,8 +57,10 @@ class PolicyServer:
 
     model_name = "policy"
 
-    def __init__(self, model, tokenizer, *, sampling: SamplingSpec, calls_path: Path, revision: str):
+    def __init__(self, model, tokenizer, *, sampling: SamplingSpec, calls_path: Path, revision: str,
+                 tool_format: str = "hermes"):
         self.model, self.tokenizer = model, tokenizer
+        self.tool_format = tool_format  # how the checkpoint writes tool calls (plan policy.tool_format)
         self.sampling = sampling
         self.revision = revision
         self.greedy = False  # evaluation decodes greedily whatever the request asks, as the trl arm does
@@ -201,7 +203,7 @@ class PolicyServer:
         prompt_ids = self._prompt_ids(history, messages, tools)
         record = self._sample_logged(episode, channel, "chat", prompt_ids, body, index)
         text = self.tokenizer.decode(record.completion_ids, skip_special_tokens=True)
-        content, tool_calls = parse_tool_calls(text)
+        content, tool_calls = parse_tool_calls(text, self.tool_format)
         finish = "tool_calls" if tool_calls else record.finish_reason
         reply = {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})}
         with self._log_lock:

@@ -264,8 +264,9 @@ def client_config(policy: PolicyEndpoint, episode_id: str):
     import verifiers.v1 as vf
     from renderers.configs import CustomRendererConfig
 
-    from .renderer import IMPORT_PATH
+    from .renderer import IMPORT_PATH, TOOL_FORMAT
 
+    TOOL_FORMAT["value"] = policy.tool_format
     base_url = policy.episode_base_url(episode_id)
     # api_key_var names an unset variable: the key is "EMPTY" and no hosted-service credential is read.
     common = {"base_url": base_url, "api_key_var": "RUNNER_POLICY_API_KEY",
