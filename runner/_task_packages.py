@@ -7,8 +7,11 @@ environments are never modified, so runs of different plans can share them at th
 
 A package's own dependencies (`[project] dependencies`, a scorer library say) are pinned with sha256
 hashes in requirements.lock beside its pyproject.toml (`runner tasks lock DIR` writes it) and installed
-into the same folder in pip's hash-checking mode. They must be pure-Python wheels: one folder serves the
-host and every stack's Python."""
+in pip's hash-checking mode into the folder's `dependencies/`, which the folder's sitecustomize.py puts
+at the END of the path of every process that has the folder on PYTHONPATH: a stack's own version of a
+distribution wins, the dependencies only fill in what an environment lacks, so a task package never
+changes what a stack imports. They must be pure-Python wheels: one folder serves the host and every
+stack's Python."""
 
 from __future__ import annotations
 
@@ -34,6 +37,16 @@ from ._stacks import normalise, parse_lock
 
 ENTRY_POINT_GROUP = "runner.task_families"
 LOCK_NAME = "requirements.lock"
+DEPENDENCIES = "dependencies"
+SITECUSTOMIZE = f'''"""Written by runner: the plan's task-package dependencies go after this environment's own packages,
+so a stack's own version of a distribution wins and they only fill in what it lacks."""
+import os
+import sys
+
+_dependencies = os.path.join(os.path.dirname(os.path.abspath(__file__)), "{DEPENDENCIES}")
+if _dependencies not in sys.path:
+    sys.path.append(_dependencies)
+'''
 
 
 def resolve(plan: Plan, plan_file: Path) -> Plan:
@@ -76,7 +89,8 @@ def build(plan: Plan, log=lambda message: None) -> Path | None:
             out = Path(scratch) / "out"
             pins = merged_pins([Path(p.path) for p in plan.task.packages])
             if pins:
-                install_locked(pins, out, Path(scratch))
+                install_locked(pins, out / DEPENDENCIES, Path(scratch))
+                (out / "sitecustomize.py").write_text(SITECUSTOMIZE)
             _pip(["install", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--target", str(out),
                   *map(str, copies)], "building task packages")
             for root, dirs, files in os.walk(out):  # jobs run as other users in containers: world-readable
@@ -159,6 +173,13 @@ def merged_pins(packages: list[Path]) -> list[str]:
     return [line for _, line, _ in lines.values()]
 
 
+def task_dependencies(plan: Plan) -> tuple[str, ...]:
+    """The distribution names the plan's task packages' locks bring (normalised); the probe's lock gate
+    does not count them, as it does not count the packages."""
+    pins = merged_pins([Path(p.path) for p in plan.task.packages]) if plan.task.packages else []
+    return tuple(normalise(line.partition("==")[0]) for line in pins)
+
+
 def install_locked(pins: list[str], target: Path, scratch: Path) -> None:
     """Installs hashed pins into `target` (pip's hash-checking mode, wheels only) and refuses any that is
     not a pure-Python wheel."""
@@ -202,6 +223,8 @@ def activate(plan: Plan, log=lambda message: None) -> None:
     if target is None or str(target) in sys.path:
         return
     sys.path.insert(0, str(target))
+    if (target / DEPENDENCIES).is_dir():
+        sys.path.append(str(target / DEPENDENCIES))
     importlib.invalidate_caches()
     from qualification.tasks import registry
 

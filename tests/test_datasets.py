@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -175,8 +176,19 @@ def test_a_math_dataset_package_brings_its_locked_scorer_library(tmp_path):
                              text=True, env={**env, "PYTHONNOUSERSITE": "1"})
     assert checked.returncode == 0, checked.stderr
     assert json.loads(checked.stdout)["problems"] == []
-    built = next((tmp_path / "cache" / "task-packages").iterdir())
-    assert (built / "math_verify").is_dir() and (built / "dataset_halves").is_dir()
+    built = next(p for p in (tmp_path / "cache" / "task-packages").iterdir() if p.is_dir())
+    assert (built / "dependencies" / "math_verify").is_dir() and (built / "dataset_halves").is_dir()
+    # The dependencies come after what an environment has: here a stand-in environment folder with its own
+    # antlr4 wins over the lock's, and math-verify, which it lacks, still comes from the lock.
+    own = tmp_path / "environment" / "antlr4"
+    shutil.copytree(built / "dependencies" / "antlr4", own)
+    (own / "__init__.py").write_text((own / "__init__.py").read_text() + "\nOURS = True\n")
+    probe = subprocess.run([sys.executable, "-c", "import antlr4, math_verify; print(getattr(antlr4, 'OURS', False), "
+                            "math_verify.__file__)"], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": f"{built}:{tmp_path / 'environment'}"})
+    assert probe.returncode == 0, probe.stderr
+    ours, source = probe.stdout.split()
+    assert ours == "True" and source.startswith(str(built / "dependencies"))
 
 
 def test_a_family_without_tools_is_not_asked_for_tool_calls():

@@ -16,6 +16,7 @@ from .._engines.jobs import StackEnvironment
 from .._engines.local import LocalEngine
 from .._pins import check_pins
 from .._stacks import StackManifest, all_stacks, normalise
+from .._task_packages import task_dependencies
 from .arm import Arm, StageOutput, run_adapter
 
 
@@ -38,7 +39,7 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
     if manifest.is_environment and "torch" not in manifest.locked_packages():
         foreign.add("torch")  # an environment stack that does not pin torch must not have one
     leaked = sorted(name for name in installed if name in foreign)
-    task_packages = tuple(normalise(p.name or "") for p in arm.plan.task.packages)
+    task_packages = (*(normalise(p.name or "") for p in arm.plan.task.packages), *task_dependencies(arm.plan))
     gates = [
         msgspec.structs.replace(lock_gate(installed, manifest.locked_packages(), task_packages),
                                 name=f"{prefix}:lock-match"),

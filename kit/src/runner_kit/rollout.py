@@ -216,9 +216,11 @@ def cpu_name() -> str:
 
 
 def environment_info(upstream_name: str, gpus: list[str] | None = None) -> EnvironmentInfo:
-    """What is installed in this environment (names normalised), with the upstream's version."""
-    packages = {dist.metadata["Name"].lower().replace("_", "-").replace(".", "-"): dist.version
-                for dist in importlib.metadata.distributions()}
+    """What is installed in this environment (names normalised), with the upstream's version. A name found
+    twice on the path reports the version an import gets (the first)."""
+    packages: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        packages.setdefault(dist.metadata["Name"].lower().replace("_", "-").replace(".", "-"), dist.version)
     return EnvironmentInfo(
         engine="", python=platform.python_version(), packages=packages,
         upstream=Upstream(name=upstream_name, version=packages.get(upstream_name.lower().replace("_", "-"), "")),
