@@ -50,27 +50,65 @@ if _dependencies not in sys.path:
 
 
 def resolve(plan: Plan, plan_file: Path) -> Plan:
-    """The plan with each task package's path made absolute (relative paths are the plan file's), its
-    distribution name read and its source tree hashed; refuses a package that cannot provide families."""
-    resolved = []
-    for index, package in enumerate(plan.task.packages):
-        path = (plan_file.parent / package.path).resolve()
-        where = f"{plan_file}: field task.packages[{index}]"
-        pyproject = path / "pyproject.toml"
-        if not pyproject.is_file():
-            raise UserError(f"{where}: {path} has no pyproject.toml; a task package is a Python project whose "
-                            f"pyproject.toml registers families under [project.entry-points.\"{ENTRY_POINT_GROUP}\"]")
-        project = read_toml(pyproject, dict).get("project", {})
-        families = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
-        if not project.get("name") or not families:
-            raise UserError(f"{pyproject}: needs [project] name and at least one family under "
-                            f"[project.entry-points.\"{ENTRY_POINT_GROUP}\"]")
-        check_lock(path, project.get("dependencies", []))
-        resolved.append(TaskPackage(path=str(path), name=project["name"], sha256=tree_hash([path])))
-    merged_pins([Path(p.path) for p in resolved])  # refuses two packages pinning one distribution differently
+    """The plan with each task package's path (or lock) made absolute (relative paths are the plan
+    file's), its distribution name read and its content hashed; refuses a package that cannot provide
+    families."""
+    resolved = [_resolve_requirement(package, plan_file, index) if package.requirement is not None
+                else _resolve_path(package, plan_file, index) for index, package in enumerate(plan.task.packages)]
+    merged_pins(resolved)  # refuses two packages pinning one distribution differently
     if not resolved:
         return plan
     return msgspec.structs.replace(plan, task=msgspec.structs.replace(plan.task, packages=resolved))
+
+
+def _resolve_path(package: TaskPackage, plan_file: Path, index: int) -> TaskPackage:
+    where = f"{plan_file}: field task.packages[{index}]"
+    if package.path is None:
+        raise UserError(f"{where}: give the package's path, or a requirement (name==version) and its lock")
+    if package.lock is not None:
+        raise UserError(f"{where}.lock: belongs to a requirement; a package by path keeps its lock in "
+                        f"{LOCK_NAME} beside its pyproject.toml")
+    path = (plan_file.parent / package.path).resolve()
+    pyproject = path / "pyproject.toml"
+    if not pyproject.is_file():
+        raise UserError(f"{where}: {path} has no pyproject.toml; a task package is a Python project whose "
+                        f"pyproject.toml registers families under [project.entry-points.\"{ENTRY_POINT_GROUP}\"]")
+    project = read_toml(pyproject, dict).get("project", {})
+    families = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
+    if not project.get("name") or not families:
+        raise UserError(f"{pyproject}: needs [project] name and at least one family under "
+                        f"[project.entry-points.\"{ENTRY_POINT_GROUP}\"]")
+    check_lock(path, project.get("dependencies", []))
+    return TaskPackage(path=str(path), name=project["name"], sha256=tree_hash([path]))
+
+
+def _resolve_requirement(package: TaskPackage, plan_file: Path, index: int) -> TaskPackage:
+    where = f"{plan_file}: field task.packages[{index}]"
+    if package.path is not None:
+        raise UserError(f"{where}: give a path or a requirement, not both")
+    try:
+        requirement = Requirement(package.requirement)
+    except InvalidRequirement as error:
+        raise UserError(f"{where}.requirement: {package.requirement!r} is not a requirement ({error})") from None
+    pinned = [spec.version for spec in requirement.specifier if spec.operator == "=="]
+    if len(requirement.specifier) != 1 or not pinned or requirement.url:
+        raise UserError(f"{where}.requirement: {package.requirement!r}: pin one version, name==version")
+    if package.lock is None:
+        raise UserError(f"{where}.lock: required with a requirement: the lock pins it and its dependencies with "
+                        f"sha256 hashes (`runner tasks lock --requirement '{package.requirement}' --out FILE`)")
+    lock = (plan_file.parent / package.lock).resolve()
+    if not lock.is_file():
+        raise UserError(f"{where}.lock: {lock}: no such file")
+    from ._pins import unhashed_lines
+
+    if unhashed := unhashed_lines(lock):
+        raise UserError(f"{lock}:{unhashed[0]}: a pin without --hash=sha256 (installed in hash-checking mode)")
+    have = parse_lock(lock).get(normalise(requirement.name))
+    if have != pinned[0]:
+        raise UserError(f"{lock}: pins {requirement.name}=={have}, the plan asks for {package.requirement}"
+                        if have else f"{lock}: does not pin {requirement.name}, which the plan asks for")
+    return TaskPackage(requirement=package.requirement, lock=str(lock), name=requirement.name,
+                       sha256=hashlib.sha256(lock.read_bytes()).hexdigest())
 
 
 def build(plan: Plan, log=lambda message: None) -> Path | None:
@@ -81,18 +119,20 @@ def build(plan: Plan, log=lambda message: None) -> Path | None:
     with file_lock(target.with_name(target.name + ".lock")):
         if target.is_dir():
             return target
-        log(f"building task packages {', '.join(p.name or p.path for p in plan.task.packages)} into {target}")
+        log(f"building task packages {', '.join(p.name or p.path or '' for p in plan.task.packages)} into {target}")
         with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as scratch:
             copies = [shutil.copytree(p.path, Path(scratch) / "src" / str(i),
                                       ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-                      for i, p in enumerate(plan.task.packages)]
+                      for i, p in enumerate(plan.task.packages) if p.path is not None]
             out = Path(scratch) / "out"
-            pins = merged_pins([Path(p.path) for p in plan.task.packages])
-            if pins:
+            out.mkdir()
+            pins = merged_pins(plan.task.packages)
+            if pins:  # requirement packages come in with their locks, after the environment's own packages
                 install_locked(pins, out / DEPENDENCIES, Path(scratch))
                 (out / "sitecustomize.py").write_text(SITECUSTOMIZE)
-            _pip(["install", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--target", str(out),
-                  *map(str, copies)], "building task packages")
+            if copies:
+                _pip(["install", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--target", str(out),
+                      *map(str, copies)], "building task packages")
             for root, dirs, files in os.walk(out):  # jobs run as other users in containers: world-readable
                 os.chmod(root, 0o755)
                 for name in files:
@@ -102,26 +142,32 @@ def build(plan: Plan, log=lambda message: None) -> Path | None:
 
 
 def write_lock(package: Path, log=lambda message: None) -> Path:
-    """Resolves the package's `[project] dependencies` with pip (on this Python, nothing installed) and
-    writes them, with every transitive dependency, to its requirements.lock with sha256 hashes."""
-    from ._pins import hashed_pins, pip_report
-
+    """Locks the package's `[project] dependencies` into its requirements.lock (lock_requirements)."""
     pyproject = package / "pyproject.toml"
     if not pyproject.is_file():
         raise UserError(f"{package}: no pyproject.toml; `runner tasks lock` takes a task package's folder")
     dependencies = read_toml(pyproject, dict).get("project", {}).get("dependencies", [])
     if not dependencies:
         raise UserError(f"{pyproject}: field project.dependencies: empty; nothing to lock")
-    log(f"resolving {', '.join(dependencies)}")
-    installs, pip_version = pip_report(Path(sys.executable), ["--only-binary=:all:"],
-                                       requirements="".join(f"{d}\n" for d in dependencies),
-                                       what=f"resolving the dependencies of {pyproject}")
-    header = [f"# Dependencies of the task package {package.name}: written by `runner tasks lock` from "
-              f"pyproject.toml (pip {pip_version}, Python {sys.version.split()[0]}). Do not edit by hand.",
-              "# Installed with: pip install --no-deps --require-hashes --only-binary=:all: --target ..."]
-    target = package / LOCK_NAME
-    write_atomic(target, ("\n".join(header + hashed_pins(installs)) + "\n").encode())
+    target = lock_requirements(dependencies, package / LOCK_NAME, f"the dependencies of the task package "
+                               f"{package.name} (pyproject.toml)", log)
     check_lock(package, dependencies)
+    return target
+
+
+def lock_requirements(requirements: list[str], target: Path, what: str, log=lambda message: None) -> Path:
+    """Resolves `requirements` with pip (on this Python, nothing installed, wheels only) and writes them,
+    with every transitive dependency and its sha256, to `target`."""
+    from ._pins import hashed_pins, pip_report
+
+    log(f"resolving {', '.join(requirements)}")
+    installs, pip_version = pip_report(Path(sys.executable), ["--only-binary=:all:"],
+                                       requirements="".join(f"{r}\n" for r in requirements),
+                                       what=f"resolving {what}")
+    header = [f"# Lock of {what}: written by `runner tasks lock` (pip {pip_version}, Python "
+              f"{sys.version.split()[0]}). Do not edit by hand.",
+              "# Installed with: pip install --no-deps --require-hashes --only-binary=:all: --target ..."]
+    write_atomic(target, ("\n".join(header + hashed_pins(installs)) + "\n").encode())
     return target
 
 
@@ -152,13 +198,17 @@ def check_lock(package: Path, dependencies: list[str]) -> None:
             raise UserError(f"{lock}: {text} is declared in {pyproject.name}, {found}; {fix}")
 
 
-def merged_pins(packages: list[Path]) -> list[str]:
+def _lock_of(package: TaskPackage) -> Path | None:
+    if package.lock is not None:
+        return Path(package.lock)
+    lock = Path(package.path or "") / LOCK_NAME
+    return lock if package.path is not None and lock.is_file() else None
+
+
+def merged_pins(packages: list[TaskPackage]) -> list[str]:
     """The pinned lines of every package's lock, once each; refuses one distribution at two versions."""
     lines: dict[str, tuple[str, str, Path]] = {}
-    for package in packages:
-        lock = package / LOCK_NAME
-        if not lock.is_file():
-            continue
+    for lock in filter(None, map(_lock_of, packages)):
         for raw in lock.read_text().splitlines():
             line = raw.split("#", 1)[0].strip()
             if not line:
@@ -167,16 +217,16 @@ def merged_pins(packages: list[Path]) -> list[str]:
             version = rest.split()[0]
             earlier = lines.get(normalise(name))
             if earlier and earlier[0] != version:
-                raise UserError(f"{lock}: {name}=={version}, but {earlier[2] / LOCK_NAME} pins {earlier[0]}; task "
-                                "packages of one plan share one folder and must agree")
-            lines.setdefault(normalise(name), (version, line, package))
+                raise UserError(f"{lock}: {name}=={version}, but {earlier[2]} pins {earlier[0]}; task packages of "
+                                "one plan share one folder and must agree")
+            lines.setdefault(normalise(name), (version, line, lock))
     return [line for _, line, _ in lines.values()]
 
 
 def task_dependencies(plan: Plan) -> tuple[str, ...]:
     """The distribution names the plan's task packages' locks bring (normalised); the probe's lock gate
     does not count them, as it does not count the packages."""
-    pins = merged_pins([Path(p.path) for p in plan.task.packages]) if plan.task.packages else []
+    pins = merged_pins(plan.task.packages)
     return tuple(normalise(line.partition("==")[0]) for line in pins)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -138,3 +139,46 @@ def test_stack_jobs_find_the_packages_family_and_score_its_scripted_cases(tmp_pa
     assert service["metrics"]["cases"] >= 12 and service["metrics"]["splits"]["train"]["family"] == "shop-total"
     probe = {g["name"]: g for g in stage_evidence(run_dir, "probe")["gates"]}
     assert probe["probe:lock-match"]["passed"] and probe["trainer:lock-match"]["passed"]
+
+
+def test_a_package_from_the_index_is_named_by_a_pinned_requirement_and_its_lock(tmp_path, monkeypatch):
+    """The package index here is a folder of wheels (PIP_FIND_LINKS), as a team's private index would be
+    configured for pip; the wheel is the example package built under another name."""
+    example = copy_example(tmp_path)
+    pyproject = example / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('name = "shop-tasks"', 'name = "runner-test-shop-tasks"'))
+    wheels = tmp_path / "index"
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(wheels), str(example)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    env = {**os.environ, "COLUMNS": "300"}
+    plans = tmp_path / "plans"
+    plans.mkdir()
+    locked = subprocess.run([RUNNER, "tasks", "lock", "--requirement", "runner-test-shop-tasks==0.1.0", "--out",
+                             str(plans / "shop.lock")], capture_output=True, text=True, env=env)
+    assert locked.returncode == 0, locked.stderr
+    assert "runner-test-shop-tasks==0.1.0 --hash=sha256:" in (plans / "shop.lock").read_text()
+    plan = plans / "plan.yaml"
+    text = (EXAMPLE / "plan.yaml").read_text()
+    plan.write_text(text.replace("packages: [.]", "packages: [{requirement: runner-test-shop-tasks==0.1.0, lock: shop.lock}]"))
+    checked = subprocess.run([RUNNER, "tasks", "check", "shop-total", "--plan", str(plan), "--json"],
+                             capture_output=True, text=True, env=env)
+    assert checked.returncode == 0, checked.stderr
+    found = json.loads(checked.stdout)
+    assert found["problems"] == [] and found["version"] == "0.1.0"
+    loaded = load_plan(plan)
+    (package,) = loaded.task.packages
+    assert package.name == "runner-test-shop-tasks" and package.path is None and len(package.sha256) == 64
+    for change, message in [
+        ("packages: [{requirement: runner-test-shop-tasks==0.1.0}]", "field task.packages[0].lock: required with a requirement"),
+        ("packages: [{requirement: runner-test-shop-tasks>=0.1, lock: shop.lock}]", "pin one version, name==version"),
+        ("packages: [{requirement: runner-test-shop-tasks==0.2.0, lock: shop.lock}]",
+         "shop.lock: pins runner-test-shop-tasks==0.1.0, the plan asks for runner-test-shop-tasks==0.2.0"),
+        ("packages: [{path: ., requirement: runner-test-shop-tasks==0.1.0, lock: shop.lock}]",
+         "give a path or a requirement, not both"),
+    ]:
+        plan.write_text(text.replace("packages: [.]", change))
+        with pytest.raises(UserError, match=re.escape(message)):
+            load_plan(plan)

@@ -136,16 +136,28 @@ def show(
 
 
 @app.command("lock")
-def lock(package: Path = typer.Argument(..., metavar="DIR", help="A task package's folder (its pyproject.toml).")) -> None:
-    """Pin a task package's own dependencies (pyproject.toml's [project] dependencies, a scorer library
-    say): resolved by pip on this Python and written with every transitive dependency and its sha256 to
-    DIR/requirements.lock. Runs install it in hash-checking mode into the package's folder; they must be
-    pure-Python wheels (one folder serves the host and every stack's Python)."""
-    from .._task_packages import write_lock
+def lock(
+    package: Path = typer.Argument(None, metavar="[DIR]", help="A task package's folder (its pyproject.toml)."),
+    requirement: str = typer.Option(None, "--requirement", help="Instead of DIR: a task package on the package "
+                                                               "index, pinned as name==version."),
+    out: Path = typer.Option(None, "--out", help="With --requirement: the lock file to write."),
+) -> None:
+    """Pin a task package's dependencies with sha256 hashes, resolved by pip on this Python (wheels only,
+    pure Python). With DIR: pyproject.toml's [project] dependencies into DIR/requirements.lock. With
+    --requirement: the package from the index pip is configured with (PIP_INDEX_URL, PIP_FIND_LINKS) and
+    everything it needs into --out; a plan then names it as {requirement: ..., lock: FILE}. Runs install
+    the lock in hash-checking mode into the plan's task-package folder."""
+    from .._task_packages import lock_requirements, write_lock
 
+    log = lambda message: err_console.print(f"[dim]{escape(message)}[/]")  # noqa: E731
     with cli_errors():
-        with err_console.status(f"resolving the dependencies of {package}"):
-            target = write_lock(package, lambda message: err_console.print(f"[dim]{escape(message)}[/]"))
+        if (package is None) == (requirement is None):
+            raise UserError("give a task package's folder (DIR) or --requirement NAME==VERSION with --out")
+        if requirement is not None and out is None:
+            raise UserError("--requirement needs --out: the lock file to write")
+        with err_console.status("resolving with pip"):
+            target = (write_lock(package, log) if package is not None else
+                      lock_requirements([requirement], out, f"the task package {requirement}", log))
     pins = [line for line in target.read_text().splitlines() if line and not line.startswith("#")]
     console.print(f"{target}: {len(pins)} pins with sha256 hashes", highlight=False)
 

@@ -35,11 +35,15 @@ class SplitSpec(Record, kw_only=True):
     family: str | None = None  # defaults to task.family; retention probes name their own family
 
 
-class TaskPackage(Record, kw_only=True):
-    """A package that provides task families (runner.task_families entry points), given by a local path.
-    The host fills in its distribution name and the sha256 of its source tree, so the plan id covers it."""
+class TaskPackage(Record, kw_only=True, omit_defaults=True):
+    """A package that provides task families (runner.task_families entry points): a local path, or a
+    pinned requirement (`name==version`) installed from the package index pip is configured with, by a
+    lock with sha256 hashes. The host fills in its distribution name and the sha256 of its source tree (a
+    path) or of its lock (a requirement), so the plan id covers it."""
 
-    path: str
+    path: str | None = None
+    requirement: str | None = None
+    lock: str | None = None
     name: str | None = None
     sha256: Sha256 | None = None
 
