@@ -19,7 +19,7 @@ from runner_contracts import sha256_file, write_atomic
 
 from ._engines.local import find_python
 from ._errors import EngineError, UserError
-from ._stacks import StackManifest, normalise, parse_lock
+from ._stacks import VCS_PIN, StackManifest, normalise, parse_lock, vcs_pins
 
 
 
@@ -35,6 +35,7 @@ class PinRecord(msgspec.Struct, kw_only=True):
     upstream: str
     version: str
     git_revision: str | None = None
+    git_revision_source: str | None = None  # the lock's VCS pin, a release tag, the distribution's metadata
     python: str
     lock_sha256: str
     resolver: str
@@ -76,11 +77,20 @@ def record_lock(manifest: StackManifest, resolver: str) -> PinRecord:
     previous = read_pins(manifest)
     images = {tag: pin for tag, pin in (previous.images if previous else {}).items()
               if pin.lock_sha256 == manifest.lock_sha256}
+    revision, source = upstream_revision(manifest)
     record = PinRecord(stack=manifest.name, upstream=manifest.upstream.name, version=manifest.upstream.version,
-                       git_revision=manifest.upstream.git_revision, python=manifest.python,
+                       git_revision=revision, git_revision_source=source, python=manifest.python,
                        lock_sha256=manifest.lock_sha256, resolver=resolver, pinned_at=_now(), images=images)
     write_pins(manifest, record)
     return record
+
+
+def upstream_revision(manifest: StackManifest) -> tuple[str | None, str | None]:
+    """(commit, where it came from) of the stack's upstream: the lock's VCS pin of it, else stack.toml's."""
+    pinned = vcs_pins(manifest.lock).get(normalise(manifest.upstream.name)) if manifest.lock.is_file() else None
+    if pinned:
+        return pinned[1], f"{manifest.lock.name}: VCS pin {pinned[0]}@{pinned[1]}"
+    return manifest.upstream.git_revision, manifest.upstream.git_revision_source
 
 
 def record_image(manifest: StackManifest, engine: str, tag: str, digest: str, lock_sha256: str) -> None:
@@ -108,7 +118,7 @@ def resolve_lock(manifest: StackManifest, log=lambda message: None, *, upgrade: 
              f"`runner pin` from {requirements.name}",
              f"# (pip {pip_version} resolver, Python {python_version}, {_now()}). Do not edit by hand.",
              f"# Installed with: pip install --no-deps --require-hashes -r {manifest.lock.name}"]
-    lines += hashed_pins(installs)
+    lines += lock_lines(installs)
     write_atomic(manifest.lock, ("\n".join(lines) + "\n").encode())
     return record_lock(manifest, resolver=f"pip {pip_version} --dry-run --report, Python {python_version}")
 
@@ -133,8 +143,10 @@ def hash_lock(manifest: StackManifest, log=lambda message: None) -> PinRecord:
 
 
 def _bare_pins(lock: Path) -> str:
-    """The lock's pins as `name==version` lines: no hashes, no comments."""
-    return "".join(f"{name}=={version}\n" for name, version in parse_lock(lock).items())
+    """The lock's pins from an index as `name==version` lines: no hashes, no comments, no VCS pins (pip's
+    constraints take no direct references; requirements.in names them)."""
+    direct = vcs_pins(lock)
+    return "".join(f"{name}=={version}\n" for name, version in parse_lock(lock).items() if name not in direct)
 
 
 def _pip_report(manifest: StackManifest, args: list[str], constraints: str,
@@ -173,6 +185,21 @@ def hashed_pins(installs: list[dict]) -> list[str]:
             for item in sorted(installs, key=lambda i: normalise(i["metadata"]["name"]))]
 
 
+def lock_lines(installs: list[dict]) -> list[str]:
+    """A stack lock's lines for a pip report: hashed pins, and a distribution that pip took from a git
+    repository pinned to the commit it resolved (`name @ git+URL@sha  # version: X`)."""
+    lines = []
+    for item in sorted(installs, key=lambda i: normalise(i["metadata"]["name"])):
+        info, name, version = item.get("download_info", {}), item["metadata"]["name"], item["metadata"]["version"]
+        vcs = info.get("vcs_info")
+        if vcs and vcs.get("vcs") == "git":
+            url = re.sub(r"^file:///", "file://localhost/", info["url"])  # pip 23's parser wants a host here
+            lines.append(f"{name} @ git+{url}@{vcs['commit_id']}  # version: {version}")
+        else:
+            lines.append(f"{name}=={version} --hash=sha256:{_sha256_of(item)}")
+    return lines
+
+
 def _sha256_of(item: dict) -> str:
     info = item.get("download_info", {})
     hashes = info.get("archive_info", {}).get("hashes", {})
@@ -201,9 +228,9 @@ _REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?\s*==
 
 
 def unhashed_lines(lock: Path) -> list[int]:
-    """Line numbers of the lock's pins that carry no sha256 hash."""
+    """Line numbers of the lock's pins that carry no sha256 hash (a VCS pin to a commit needs none)."""
     return [number for number, raw in enumerate(lock.read_text().splitlines(), start=1)
-            if raw.split("#", 1)[0].strip() and "--hash=sha256:" not in raw]
+            if raw.split("#", 1)[0].strip() and "--hash=sha256:" not in raw and not VCS_PIN.match(raw)]
 
 
 def check_pins(manifest: StackManifest) -> list[str]:
@@ -215,9 +242,10 @@ def check_pins(manifest: StackManifest) -> list[str]:
     if record is None:
         return [f"{where}: missing; run `{pin_command(manifest)}`"]
     drift = []
+    revision, _ = upstream_revision(manifest)
     expected = {"upstream": (record.upstream, manifest.upstream.name),
                 "version": (record.version, manifest.upstream.version),
-                "git_revision": (record.git_revision, manifest.upstream.git_revision),
+                "git_revision": (record.git_revision, revision),
                 "python": (record.python, manifest.python)}
     drift += [f"{where}: {field} is {pinned!r}, stack.toml says {current!r}"
               for field, (pinned, current) in expected.items() if pinned != current]
@@ -230,11 +258,19 @@ def check_pins(manifest: StackManifest) -> list[str]:
         drift.append(f"{manifest.lock}: sha256 {manifest.lock_sha256[:12]} differs from the pinned "
                      f"{record.lock_sha256[:12]} (re-run `{pin_command(manifest)}`)")
     upstream = normalise(manifest.upstream.name)
+    from_git = vcs_pins(manifest.lock)
+    if upstream in from_git and manifest.upstream.git_revision not in (None, from_git[upstream][1]):
+        drift.append(f"{manifest.lock}: {upstream} is pinned to commit {from_git[upstream][1][:12]}, stack.toml's "
+                     f"git_revision is {manifest.upstream.git_revision[:12]}")
     if upstream in locked and locked[upstream] != manifest.upstream.version:
         drift.append(f"{manifest.lock}: {upstream}=={locked[upstream]}, stack.toml pins {manifest.upstream.version}")
     requirements = manifest.requirements
     if requirements.is_file():
         for number, line in enumerate(requirements.read_text().splitlines(), start=1):
+            direct = re.match(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*@\s*git\+", line)
+            if direct and normalise(direct.group(1)) not in from_git:
+                drift.append(f"{requirements}:{number}: {direct.group(1)} comes from git, the lock does not pin it "
+                             f"to a commit (re-run `{pin_command(manifest)}`)")
             match = _REQUIREMENT.match(line)
             if match is None:
                 continue

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -20,6 +21,7 @@ class Upstream:
     name: str
     version: str
     git_revision: str | None = None
+    git_revision_source: str | None = None  # where the commit was read (a tag, the distribution's metadata)
 
 
 @dataclass(frozen=True)
@@ -93,12 +95,30 @@ class StackManifest:
         return parse_lock(self.lock)
 
 
+# A lock line pinning a distribution to a git commit: `name @ git+URL@<40-hex sha>  # version: X` (pip
+# cannot hash a repository, so the commit is the content address; the comment keeps the version).
+VCS_PIN = re.compile(r"^\s*(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)\s*@\s*(?P<url>git\+\S+?)@(?P<commit>[0-9a-f]{40})"
+                     r"\s*#\s*version:\s*(?P<version>\S+)\s*$")
+
+
+def vcs_pins(path: Path) -> dict[str, tuple[str, str]]:
+    """name (normalised) -> (git+URL, commit) of the lock's VCS pins."""
+    return {normalise(m["name"]): (m["url"], m["commit"])
+            for m in map(VCS_PIN.match, read_text(path, "lock").splitlines()) if m}
+
+
 def parse_lock(path: Path) -> dict[str, str]:
     pins: dict[str, str] = {}
     for number, raw in enumerate(read_text(path, "lock").splitlines(), start=1):
+        if vcs := VCS_PIN.match(raw):
+            pins[normalise(vcs["name"])] = vcs["version"]
+            continue
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
+        if " @ " in line:
+            raise UserError(f"{path}:{number}: a direct reference is pinned as 'name @ git+URL@<40-hex commit>  "
+                            f"# version: X', got {raw!r}")
         name, sep, version = line.partition("==")
         if not sep:
             raise UserError(f"{path}:{number}: expected 'name==version', got {raw!r}")
@@ -114,6 +134,7 @@ class _UpstreamTable(msgspec.Struct, forbid_unknown_fields=True):
     name: str
     version: str
     git_revision: str | None = None
+    git_revision_source: str | None = None
 
 
 class _GpuTable(msgspec.Struct, forbid_unknown_fields=True):
@@ -159,7 +180,8 @@ def load_manifest(path: Path) -> StackManifest:
         adapter=data.adapter,
         adapter_package=folder / data.adapter_package,
         upstream=Upstream(name=data.upstream.name, version=data.upstream.version,
-                          git_revision=data.upstream.git_revision or None),
+                          git_revision=data.upstream.git_revision or None,
+                          git_revision_source=data.upstream.git_revision_source or None),
         stages=tuple(data.stages),
         capabilities=tuple(data.capabilities),
         policy_sources=tuple(folder / p for p in data.policy_sources),

@@ -156,3 +156,62 @@ def test_pin_resolves_a_lock_with_hashes_and_a_pin_record(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("msgspec==0.23.0 --hash=sha256:")
     assert record["version"] == "0.23.0" and record["resolver"].startswith("pip ")
     assert runner("pin", "--check", "--stack", "mini", stacks=tmp_path / "stacks").returncode == 0
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
+                          env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.org",
+                               "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.org"}).stdout.strip()
+
+
+@pytest.mark.slow
+def test_an_upstream_pinned_to_a_git_commit_is_locked_recorded_and_installed(tmp_path, monkeypatch):
+    """The upstream is a local git repository (no forge is reachable here) at two commits; requirements.in
+    names the first by a branch, `runner pin` locks the commit it resolved, pins.json records it with its
+    source, and the local engine installs exactly that commit (pip's hash-checking mode for the rest)."""
+    repo = tmp_path / "upstream"
+    (repo / "miniupstream").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools>=61"]\nbuild-backend = '
+                                         '"setuptools.build_meta"\n[project]\nname = "miniupstream"\nversion = "0.1.0"\n')
+    (repo / "miniupstream" / "__init__.py").write_text("GENERATION = 1\n")
+    git(repo, "init", "-q", "-b", "main")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "first")
+    first = git(repo, "rev-parse", "HEAD")
+    git(repo, "branch", "release")
+    (repo / "miniupstream" / "__init__.py").write_text("GENERATION = 2\n")
+    git(repo, "commit", "-qam", "second")
+    # file://localhost/...: pip 23.2's requirement parser refuses git+file:/// (no host) as an invalid URL
+    stack = mini_stack(tmp_path, f"miniupstream @ git+file://localhost{repo}@release\nmsgspec==0.23.0\n"
+                       "setuptools>=70.1", "")  # setuptools: the environment builds our local packages
+    (stack / "stack.toml").write_text((stack / "stack.toml").read_text()
+                                      .replace('name = "msgspec"\nversion = "0.22.0"', 'name = "miniupstream"\nversion = "0.1.0"'))
+    (stack / "adapter" / "pyproject.toml").write_text('[project]\nname = "runner-stack-mini"\nversion = "0"\n'
+                                                      '[tool.setuptools]\npy-modules = []\n')
+    stacks = tmp_path / "stacks"
+    result = runner("pin", "--stack", "mini", "--json", stacks=stacks)
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads(result.stdout)
+    assert record["git_revision"] == first and record["git_revision_source"].startswith("requirements.lock: VCS pin git+file://localhost/")
+    lock = (stack / "requirements.lock").read_text()
+    assert f"miniupstream @ git+file://localhost{repo}@{first}  # version: 0.1.0" in lock
+    assert "msgspec==0.23.0 --hash=sha256:" in lock
+    assert runner("pin", "--check", "--stack", "mini", stacks=stacks).returncode == 0
+    assert {k: v for k, v in parse_lock(stack / "requirements.lock").items() if k != "setuptools"} == {
+        "miniupstream": "0.1.0", "msgspec": "0.23.0"}
+
+    monkeypatch.setenv("RUNNER_STACKS_DIR", str(stacks))
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    from runner._engines.local import LocalEngine
+    from runner._stacks import get_stack
+
+    env = LocalEngine().prepare(get_stack("mini"))
+    installed = subprocess.run([str(env.path / "bin" / "python"), "-c", "import miniupstream, msgspec; "
+                                "print(miniupstream.GENERATION, msgspec.__version__)"], capture_output=True, text=True)
+    assert installed.stdout.split() == ["1", "0.23.0"], installed.stderr
+
+    manifest = stack / "stack.toml"
+    manifest.write_text(manifest.read_text().replace('version = "0.1.0"', f'version = "0.1.0"\ngit_revision = "{"0" * 40}"'))
+    problems = json.loads(runner("pin", "--check", "--stack", "mini", "--json", stacks=stacks).stdout)["drift"]["mini"]
+    assert any(f"miniupstream is pinned to commit {first[:12]}, stack.toml's git_revision is 000000000000" in p
+               for p in problems), problems

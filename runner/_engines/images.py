@@ -31,7 +31,7 @@ from runner_contracts import sha256_file, write_atomic
 from .jobs import file_lock, tree_hash
 from .._errors import EngineError, UserError
 from .._paths import PROJECT_ROOT, cache_dir, local_packages
-from .._stacks import StackManifest, normalise
+from .._stacks import StackManifest, normalise, vcs_pins
 
 IMAGES_DIR = PROJECT_ROOT / "images"
 STACK_DEFINITION = IMAGES_DIR / "stack.Containerfile"
@@ -257,6 +257,9 @@ def extra_ca_certificates(paths: list[Path] | None) -> list[Path]:
 def context_inputs(manifest: StackManifest, base_tag: str, certs: list[Path], flavour: str = "cpu") -> dict[str, Any]:
     """What goes into a stack image's build. Local wheels only for CPU images: a GPU image takes the CUDA
     builds from the index (a local CPU build of torch would otherwise win on its +cpu label)."""
+    if direct := vcs_pins(manifest.lock):
+        raise UserError(f"{manifest.lock}: {', '.join(direct)} pinned from git; stack images install the lock in "
+                        "hash-checking mode from the index only (git pins run under --engine local for now)")
     return {
         "definition": stack_definition(manifest),
         "wheels": local_wheels(manifest) if flavour == "cpu" else [],

@@ -25,7 +25,7 @@ from runner_contracts import StageRequest
 
 from .._errors import EngineError
 from .._paths import cache_dir, local_packages
-from .._stacks import StackManifest
+from .._stacks import VCS_PIN, StackManifest, vcs_pins
 from .jobs import (
     RunOutcome,
     ServiceHandle,
@@ -105,9 +105,17 @@ class LocalEngine:
                 shutil.rmtree(path, ignore_errors=True)
                 log.write_text("")
                 _run_logged([str(interpreter), "-m", "venv", str(path)], log, "creating the virtualenv")
-                _run_logged([str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--require-hashes",
-                             "--disable-pip-version-check", *manifest.pip_args, "-r", str(manifest.lock)], log,
-                            f"installing the {manifest.name} lock")
+                pip = [str(path / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--disable-pip-version-check",
+                       *manifest.pip_args]
+                direct = [f"{name} @ {url}@{commit}" for name, (url, commit) in vcs_pins(manifest.lock).items()]
+                with tempfile.TemporaryDirectory(prefix="runner-lock-") as scratch:
+                    hashed = Path(scratch) / "hashed.lock"  # pip's hash-checking mode takes no git pins
+                    hashed.write_text("".join(line + "\n" for line in manifest.lock.read_text().splitlines()
+                                              if not VCS_PIN.match(line)))
+                    _run_logged([*pip, "--require-hashes", "-r", str(hashed)], log,
+                                f"installing the {manifest.name} lock")
+                if direct:  # each pinned to a commit, the repository's content address
+                    _run_logged([*pip, *direct], log, f"installing the {manifest.name} lock's git pins")
                 marker = {"lock_sha256": manifest.lock_sha256, "python": python_version, "built_at": time.time()}
                 (path / ENV_MARKER).write_text(json.dumps(marker))
             else:
