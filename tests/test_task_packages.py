@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from conftest import stage_evidence
 
-from runner.api import UserError, load_plan
+from runner.api import UserError, load_plan, parse_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "shop-tasks"
@@ -182,3 +182,27 @@ def test_a_package_from_the_index_is_named_by_a_pinned_requirement_and_its_lock(
         plan.write_text(text.replace("packages: [.]", change))
         with pytest.raises(UserError, match=re.escape(message)):
             load_plan(plan)
+
+
+def test_the_sudoku_example_wraps_a_third_party_library_with_its_own_lock(tmp_path, monkeypatch):
+    """examples/sudoku-tasks: py-sudoku from the package index, pinned by the package's hashed lock, makes
+    the puzzles and judges them; the family leaves the stack process's global random state as it was."""
+    import random
+
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    example = ROOT / "examples" / "sudoku-tasks"
+    result = subprocess.run([RUNNER, "tasks", "check", "sudoku-cell", "--plan", str(example / "plan.yaml"), "--json"],
+                            capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["problems"] == []
+    assert parse_lock(example / "requirements.lock") == {"py-sudoku": "2.0.0"}
+    load_plan(example / "plan.yaml")
+    from qualification.tasks import Transcript, get_family
+
+    family = get_family("sudoku-cell")
+    before = random.getstate()
+    item = family.generate("heldout", 3, 2)[2]
+    assert random.getstate() == before
+    digit = item.reference["digit"]
+    assert family.score(item, Transcript(final_text=f"Answer: {digit}")).success
+    assert not family.score(item, Transcript(final_text="Answer: 7")).success  # py-sudoku alone would accept it
