@@ -187,3 +187,40 @@ def test_trl_qualifies_on_the_programme_tracks(plan_name, tmp_path):
     gates = {g["name"]: g["passed"] for g in rollout["gates"]}
     assert gates["signal:tool-calls"] and gates["trace:trained-equals-sampled"], gates
     assert "Gate matrix" in (run_dir / "report.html").read_text()
+
+
+def test_a_bundle_of_the_run_verifies_and_a_tampered_or_added_file_is_named(demo_run, tmp_path):
+    bundle = tmp_path / "bundle"
+    made = runner("bundle", str(demo_run), "--out", str(bundle), "--json", check=True)
+    assert json.loads(made.stdout)["qualified"] is True
+    card = (bundle / "README.md").read_text()
+    assert card.startswith("---\n") and "model-index:" in card and "split: heldout" in card
+    assert "Qualified: every gate of the plan passed." in card
+    assert (bundle / "model.safetensors").is_file() and not (bundle / "optimizer.pt").exists()
+    assert runner("bundle", "verify", str(bundle)).returncode == 0
+    assert subprocess.run(["sha256sum", "-c", "--quiet", "SHA256SUMS"], cwd=bundle).returncode == 0
+    with open(bundle / "model.safetensors", "r+b") as weights:
+        weights.seek(-1, 2)
+        last = weights.read(1)
+        weights.seek(-1, 2)
+        weights.write(bytes([last[0] ^ 1]))
+    (bundle / "notes.txt").write_text("added later\n")
+    checked = runner("bundle", "verify", str(bundle), "--json")
+    problems = json.loads(checked.stdout)["problems"]
+    assert checked.returncode == 1
+    assert any("model.safetensors: sha256" in p and "differs from SHA256SUMS" in p for p in problems), problems
+    assert any("model.safetensors: not a checkpoint the train stage's evidence records" in p for p in problems)
+    assert any("notes.txt: not in SHA256SUMS" in p for p in problems), problems
+
+
+def test_a_run_that_did_not_qualify_is_bundled_only_when_asked_and_says_so(demo_run, tmp_path):
+    run = Path(shutil.copytree(demo_run, tmp_path / "run", ignore=shutil.ignore_patterns("*.log")))
+    summary = json.loads((run / "summary.json").read_text())
+    summary["stages"]["evaluate"] = "failed"
+    (run / "summary.json").write_text(json.dumps(summary))
+    refused = runner("bundle", str(run), "--out", str(tmp_path / "b"))
+    assert refused.returncode == 2 and "not every gate passed (evaluate: failed)" in refused.stderr
+    assert not (tmp_path / "b").exists()
+    made = runner("bundle", str(run), "--out", str(tmp_path / "b"), "--allow-failed", check=True)
+    assert "not qualified" in made.stdout
+    assert "**Not qualified**: bundled with --allow-failed; failed: evaluate: failed" in (tmp_path / "b" / "README.md").read_text()

@@ -6,7 +6,7 @@ import signal
 
 import typer
 
-from . import compare, images, pin, plan, policy, qualify, report, stacks, status, tasks, validate
+from . import bundle, compare, images, pin, plan, policy, qualify, report, stacks, status, tasks, validate
 
 app = typer.Typer(
     name="runner",
@@ -22,6 +22,7 @@ app.add_typer(policy.app, name="policy")
 app.add_typer(tasks.app, name="tasks")
 app.add_typer(images.app, name="images")
 app.add_typer(plan.app, name="plan")
+app.add_typer(bundle.app, name="bundle")
 app.command("qualify")(qualify.qualify)
 app.command("compare")(compare.compare)
 app.command("pin")(pin.pin)
