@@ -15,6 +15,7 @@ from ._html import render as render_html
 from ._html import sampled_text
 from ._report import load_run, load_trials, summary
 from ._secrets import write_redacted
+from ._stacks import get_stack
 from ._stages import RECIPE_STAGES, STAGES, trial_dir
 
 
@@ -244,6 +245,59 @@ def arm_tests(run_dir: Path, stacks: list[str], plan: Plan) -> dict[str, Any]:
     return tests
 
 
+def _rollout_tokens(arm_dir: Path) -> dict[str, list[list[int]]]:
+    """episode id -> each segment's token ids, from the rollout stage's trajectories (its first batch)."""
+    path = arm_dir / "stages" / "rollout" / "trajectories.jsonl"
+    if not path.is_file():
+        return {}
+    episodes = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        episodes[record["episode_id"]] = [segment["token_ids"] for segment in record["segments"]]
+    return episodes
+
+
+def pin_changes(run_dir: Path, arms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For arms that are one stack at two pins (trl@1.15.0 and trl@1.16.0, or trl): the distributions whose
+    versions differ between the locks, whether the first rollout batch sampled the same tokens, and whether
+    training ended in the same weights."""
+    changes = []
+    for index, first in enumerate(arms):
+        for second in arms[index + 1:]:
+            if first["stack"].partition("@")[0] != second["stack"].partition("@")[0]:
+                continue
+            try:
+                locks = [get_stack(arm["stack"]).locked_packages() for arm in (first, second)]
+            except UserError:  # a report rebuilt where a pin set is gone
+                locks = [{}, {}]
+            moved = {name: [locks[0].get(name), locks[1].get(name)] for name in sorted(set(locks[0]) | set(locks[1]))
+                     if (locks[0].get(name) or "").split("+")[0] != (locks[1].get(name) or "").split("+")[0]}
+            tokens = [_rollout_tokens(run_dir / "arms" / arm["stack"]) for arm in (first, second)]
+            shared = sorted(set(tokens[0]) & set(tokens[1]))
+            differing = [episode for episode in shared if tokens[0][episode] != tokens[1][episode]]
+            weights = [first["final_weights_sha256"], second["final_weights_sha256"]]
+            changes.append({"first": first["stack"], "second": second["stack"], "lock_changes": moved,
+                            "rollout_episodes": len(shared), "rollout_token_identical": len(shared) - len(differing),
+                            "first_differing_episode": differing[0] if differing else None,
+                            "final_weights_identical": weights[0] == weights[1] if all(weights) else None})
+    return changes
+
+
+def pin_lines(changes: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for change in changes:
+        moved = ", ".join(f"{name} {a or '–'} → {b or '–'}" for name, (a, b) in change["lock_changes"].items()) or "none"
+        same = change["final_weights_identical"]
+        lines += ["", f"## What changed between {change['first']} and {change['second']}", "",
+                  f"- lock: {moved}",
+                  f"- first rollout batch: {change['rollout_token_identical']} of {change['rollout_episodes']} episodes "
+                  "sampled the same tokens" + (f" (first difference: {change['first_differing_episode']})"
+                                               if change["first_differing_episode"] else ""),
+                  "- final weights: " + ("identical" if same else "differ" if same is False else "not compared "
+                                         "(an arm has no trained checkpoint)")]
+    return lines
+
+
 def write_comparison(run_dir: Path, stacks: list[str]) -> dict[str, Any]:
     """comparison.json, comparison.md and report.html from the arms' run directories."""
     loaded = []
@@ -260,9 +314,10 @@ def write_comparison(run_dir: Path, stacks: list[str]) -> dict[str, Any]:
     arms = [arm_figures(stack, evidence, data) for stack, evidence, data in datas]
     stages = [stage for stage in STAGES if any(stage in arm["gates"] for arm in arms)]
     result = {"plan_id": plan.plan_id, "plan": plan.name, "passed": all(a["passed"] for a in arms), "arms": arms,
-              "stages": stages, "arm_tests": arm_tests(run_dir, stacks, plan)}
+              "stages": stages, "arm_tests": arm_tests(run_dir, stacks, plan), "pin_changes": pin_changes(run_dir, arms)}
     write_redacted(run_dir / "comparison.json", json.dumps(result, indent=2, sort_keys=True) + "\n")
-    write_redacted(run_dir / "comparison.md", markdown(plan, arms, stages, result["arm_tests"]))
+    write_redacted(run_dir / "comparison.md", markdown(plan, arms, stages, result["arm_tests"])
+                   + "\n".join(pin_lines(result["pin_changes"])) + ("\n" if result["pin_changes"] else ""))
     write_redacted(run_dir / "report.html", render_html(plan, datas, comparison=(
         [a["stack"] for a in arms], table_rows(arms)), arm_tests=result["arm_tests"]))
     return result

@@ -44,11 +44,13 @@ class PinRecord(msgspec.Struct, kw_only=True):
 
 
 def pin_command(manifest: StackManifest) -> str:
+    if manifest.base:
+        return f"runner pin --stack {manifest.base} --upstream {manifest.upstream.name}=={manifest.upstream.version}"
     return f"runner pin --stack {manifest.name}{' --gpu' if manifest.variant == 'gpu' else ''}"
 
 
 def pin_path(manifest: StackManifest) -> Path:
-    return manifest.folder / manifest.pin_file
+    return manifest.pin_folder / manifest.pin_file
 
 
 def read_pins(manifest: StackManifest) -> PinRecord | None:
@@ -103,7 +105,37 @@ def record_image(manifest: StackManifest, engine: str, tag: str, digest: str, lo
 # --- resolving ---------------------------------------------------------------------------------------
 
 
-def resolve_lock(manifest: StackManifest, log=lambda message: None, *, upgrade: bool = False) -> PinRecord:
+def write_pin_set(manifest: StackManifest, requirement: str, log=lambda message: None) -> PinRecord:
+    """A second pin set for the stack beside its own: pins/<version>/requirements.in (the stack's, with the
+    upstream at `requirement`'s version), its lock resolved keeping every other version of the stack's
+    lock where pip can (so only what the release needs moves), and its pins.json."""
+    name, _, version = requirement.partition("==")
+    if normalise(name) != normalise(manifest.upstream.name) or not re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", version):
+        raise UserError(f"--upstream {requirement!r}: expected {manifest.upstream.name}==<version>")
+    if version == manifest.upstream.version:
+        raise UserError(f"--upstream {requirement}: that is the stack's own pin; `runner pin --stack {manifest.name}`")
+    target = manifest.at_version(version)
+    lines, found = [], False
+    for line in manifest.requirements.read_text().splitlines():
+        match = _REQUIREMENT.match(line)
+        if match and normalise(match.group(1)) == normalise(name):
+            line, found = f"{manifest.upstream.name}=={version}", True
+        lines.append(line)
+    if not found:
+        raise UserError(f"{manifest.requirements}: does not pin {manifest.upstream.name}; nothing to move")
+    target.requirements.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(target.requirements, ("\n".join(lines) + "\n").encode())
+    kept = "".join(f"{n}=={v}\n" for n, v in parse_lock(manifest.lock).items()
+                   if n != normalise(name) and n not in vcs_pins(manifest.lock))
+    try:
+        return resolve_lock(target, log, constraints=kept)
+    except EngineError:  # the release needs other versions of something the stack's lock pins
+        log(f"{requirement} does not resolve beside the stack's other versions; resolving afresh")
+        return resolve_lock(target, log, upgrade=True)
+
+
+def resolve_lock(manifest: StackManifest, log=lambda message: None, *, upgrade: bool = False,
+                 constraints: str | None = None) -> PinRecord:
     """Resolves requirements.in with pip's resolver on the stack's Python (no install: --dry-run
     --report) and writes the lock with sha256 hashes, then the pin record. The current lock's versions
     are kept as constraints (as pip-compile keeps them) unless `upgrade`."""
@@ -111,7 +143,8 @@ def resolve_lock(manifest: StackManifest, log=lambda message: None, *, upgrade: 
     if not requirements.is_file():
         raise UserError(f"{requirements}: missing; list the stack's direct requirements there (name==version), "
                         "or record the current lock with `runner pin --no-resolve`")
-    constraints = "" if upgrade or not manifest.lock.is_file() else _bare_pins(manifest.lock)
+    if constraints is None:
+        constraints = "" if upgrade or not manifest.lock.is_file() else _bare_pins(manifest.lock)
     log(f"resolving {requirements}" + (f", keeping the versions in {manifest.lock.name}" if constraints else ""))
     installs, pip_version, python_version = _pip_report(manifest, ["-r", str(requirements)], constraints)
     lines = [f"# Lock for the {manifest.name} stack{' (GPU)' if manifest.variant == 'gpu' else ''}: written by "
@@ -278,6 +311,6 @@ def check_pins(manifest: StackManifest) -> list[str]:
             have = locked.get(name)
             if have is None:
                 drift.append(f"{requirements}:{number}: {name}=={version} is not in the lock")
-            elif have != version:
+            elif have != version and have.split("+", 1)[0] != version:  # a local label (+cpu) is that version
                 drift.append(f"{requirements}:{number}: {name}=={version}, the lock has {have}")
     return drift

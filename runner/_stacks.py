@@ -52,6 +52,7 @@ class StackManifest:
     requirements: Path = Path("requirements.in")  # direct requirements `runner pin` resolves into the lock
     variant: str = "cpu"  # cpu, or gpu for the environment from [gpu] lock
     gpu: GpuVariant | None = None
+    base: str | None = None  # for a pin set of another upstream version ("trl@1.15.0"): the stack's own name
 
     @property
     def is_environment(self) -> bool:
@@ -82,9 +83,32 @@ class StackManifest:
         return "pins.json" if self.variant == "cpu" else f"pins-{self.variant}.json"
 
     @property
+    def pin_folder(self) -> Path:
+        """Where its lock's pin record lives: the stack folder, or pins/<version>/ for another pin set."""
+        return self.lock.parent if self.base else self.folder
+
+    @property
     def image_name(self) -> str:
-        """The stack's name for its images and SIF files: <name>, or <name>-gpu for its GPU environment."""
-        return self.name if self.variant == "cpu" else f"{self.name}-{self.variant}"
+        """The stack's name for its images and SIF files: <name>, or <name>-gpu for its GPU environment
+        (a pin set's '@' becomes '-', which image tags allow)."""
+        name = self.name.replace("@", "-")
+        return name if self.variant == "cpu" else f"{name}-{self.variant}"
+
+    def at_version(self, version: str) -> StackManifest:
+        """The stack pinned to another release of its upstream: its pin set in pins/<version>/ (requirements.in,
+        requirements.lock, pins.json, written by `runner pin --stack S --upstream NAME==VERSION`), as an arm
+        named <stack>@<version>. At the stack's own version, the stack itself under that name."""
+        if version == self.upstream.version:
+            return dataclasses.replace(self, name=f"{self.name}@{version}")
+        folder = self.folder / "pins" / version
+        return dataclasses.replace(self, name=f"{self.name}@{version}", lock=folder / "requirements.lock",
+                                   requirements=folder / "requirements.in", base=self.name, gpu=None,
+                                   upstream=Upstream(name=self.upstream.name, version=version))
+
+    def pin_sets(self) -> list[StackManifest]:
+        """The stack at each other upstream version it has a pin set for."""
+        return [self.at_version(path.name) for path in sorted((self.folder / "pins").glob("*/requirements.in"))
+                for path in [path.parent]]
 
     def variants(self) -> list[StackManifest]:
         return [self] if self.gpu is None else [self, self.for_gpu()]
@@ -204,7 +228,17 @@ def all_stacks() -> dict[str, StackManifest]:
 
 
 def get_stack(name: str) -> StackManifest:
+    """A stack by name; `<stack>@<version>` is the stack at that upstream release (its pin set)."""
     stacks = all_stacks()
-    if name not in stacks:
-        raise UserError(f"unknown stack {name!r}; known stacks: {', '.join(stacks) or '(none)'}")
-    return stacks[name]
+    stack, _, version = name.partition("@")
+    if stack not in stacks:
+        raise UserError(f"unknown stack {stack!r}; known stacks: {', '.join(stacks) or '(none)'}")
+    if not version:
+        return stacks[stack]
+    manifest = stacks[stack].at_version(version)
+    if not manifest.lock.is_file():
+        sets = ", ".join(m.upstream.version for m in stacks[stack].pin_sets()) or "none yet"
+        raise UserError(f"stack {stack} has no pin set for {manifest.upstream.name} {version} (its own version is "
+                        f"{stacks[stack].upstream.version}; pin sets: {sets}); write one with `runner pin --stack "
+                        f"{stack} --upstream {manifest.upstream.name}=={version}`")
+    return manifest

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.api import parse_lock
+from runner.api import UserError, parse_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(Path(sys.executable).parent / "runner")
@@ -215,3 +215,54 @@ def test_an_upstream_pinned_to_a_git_commit_is_locked_recorded_and_installed(tmp
     problems = json.loads(runner("pin", "--check", "--stack", "mini", "--json", stacks=stacks).stdout)["drift"]["mini"]
     assert any(f"miniupstream is pinned to commit {first[:12]}, stack.toml's git_revision is 000000000000" in p
                for p in problems), problems
+
+
+def test_a_stack_at_another_upstream_release_is_its_pin_set(stacks, monkeypatch):
+    """trl@1.15.0 is the trl stack with the lock in stacks/trl/pins/1.15.0 (committed: the release before
+    the pinned one); trl@1.16.0 is the stack itself; a release without a pin set says how to write one."""
+    monkeypatch.setenv("RUNNER_STACKS_DIR", str(stacks))
+    from runner.api import get_stack
+
+    older = get_stack("trl@1.15.0")
+    assert (older.name, older.upstream.version, older.base) == ("trl@1.15.0", "1.15.0", "trl")
+    assert older.locked_packages()["trl"] == "1.15.0" and older.image_name == "trl-1.15.0"
+    assert get_stack("trl@1.16.0").lock == get_stack("trl").lock
+    with pytest.raises(UserError, match=r"stack trl has no pin set for trl 1.14.0 .*pin sets: 1.15.0.*"
+                                        r"runner pin --stack trl --upstream trl==1.14.0"):
+        get_stack("trl@1.14.0")
+    assert drift_of(stacks, "trl") == []
+    lock = stacks / "trl" / "pins" / "1.15.0" / "requirements.lock"
+    lock.write_text(lock.read_text().replace("trl==1.15.0", "trl==1.14.0"))
+    result = json.loads(runner("pin", "--check", "--stack", "trl", "--json", stacks=stacks).stdout)["drift"]
+    assert any("trl==1.14.0, stack.toml pins 1.15.0" in p or "sha256" in p for p in result["trl@1.15.0"])
+
+
+@pytest.mark.parametrize(("upstream", "message"), [
+    ("transformers==5.0.0", "--upstream 'transformers==5.0.0': expected trl==<version>"),
+    ("trl==1.16.0", "that is the stack's own pin"),
+])
+def test_a_pin_set_names_another_release_of_the_stacks_own_upstream(stacks, upstream, message):
+    result = runner("pin", "--stack", "trl", "--upstream", upstream, stacks=stacks)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_the_comparison_of_two_pins_says_what_changed(tmp_path):
+    from runner._compare import pin_changes, pin_lines
+
+    def trajectories(stack: str, tokens: list[list[int]]) -> None:
+        folder = tmp_path / "arms" / stack / "stages" / "rollout"
+        folder.mkdir(parents=True)
+        folder.joinpath("trajectories.jsonl").write_text("".join(
+            json.dumps({"episode_id": f"e{i}", "segments": [{"token_ids": t}]}) + "\n" for i, t in enumerate(tokens)))
+
+    trajectories("trl@1.15.0", [[1, 2], [3, 4], [5, 6]])
+    trajectories("trl", [[1, 2], [3, 9], [5, 6]])
+    arms = [{"stack": "trl@1.15.0", "final_weights_sha256": "a" * 64}, {"stack": "trl", "final_weights_sha256": "b" * 64},
+            {"stack": "openenv", "final_weights_sha256": None}]
+    (change,) = pin_changes(tmp_path, arms)
+    assert change["lock_changes"] == {"trl": ["1.15.0", "1.16.0"]}
+    assert (change["rollout_episodes"], change["rollout_token_identical"], change["first_differing_episode"]) == (3, 2, "e1")
+    assert change["final_weights_identical"] is False
+    text = "\n".join(pin_lines([change]))
+    assert "## What changed between trl@1.15.0 and trl" in text and "- lock: trl 1.15.0 → 1.16.0" in text
+    assert "2 of 3 episodes sampled the same tokens (first difference: e1)" in text

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from .._compare import table_rows
+from .._compare import pin_lines, table_rows
 from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
@@ -86,6 +86,8 @@ def compare(
         for label, cells in table_rows(result["arms"]):
             table.add_row(label, *cells)
         console.print(table)
+        for line in pin_lines(result.get("pin_changes", [])):
+            console.print(line.removeprefix("## "), highlight=False, markup=False)
         verdict = "[green]every arm passed every gate[/]" if result["passed"] else "[red]not every arm qualified[/]"
         console.print(f"{verdict}\ncomparison: {target / 'comparison.md'}, {target / 'comparison.json'}, "
                       f"{target / 'report.html'}", highlight=False)

@@ -6,7 +6,7 @@ import msgspec
 import typer
 from rich.table import Table
 
-from .._pins import check_pins, hash_lock, pin_path, resolve_lock
+from .._pins import check_pins, hash_lock, pin_path, resolve_lock, write_pin_set
 from .._errors import UserError
 from .._stacks import all_stacks, get_stack
 from ._common import cli_errors, console, err_console, print_json
@@ -22,6 +22,9 @@ def pin(
                                                           "as constraints otherwise."),
     gpu: bool = typer.Option(False, "--gpu", help="Pin the stack's GPU environment instead ([gpu] in stack.toml: "
                                                   "its own requirements and lock, record in pins-gpu.json)."),
+    upstream: str = typer.Option(None, "--upstream", help="Write a second pin set for another release of the "
+                                                          "stack's upstream, e.g. trl==1.15.0 (stacks/<stack>/pins/"
+                                                          "<version>/); compare them as --stacks trl@1.15.0,trl@1.16.0."),
     json_output: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     """Pin a stack: resolve stacks/<stack>/requirements.in into its lock (pip's resolver, sha256 hashes)
@@ -35,7 +38,7 @@ def pin(
         if check:
             manifests = [get_stack(stack)] if stack else list(all_stacks().values())
             drift = {f"{variant.name}{' (gpu)' if variant.variant == 'gpu' else ''}": check_pins(variant)
-                     for manifest in manifests for variant in manifest.variants()}
+                     for manifest in manifests for variant in [*manifest.variants(), *manifest.pin_sets()]}
             if json_output:
                 print_json({"drift": drift, "passed": not any(drift.values())})
             else:
@@ -53,7 +56,11 @@ def pin(
             if manifest.gpu is None:
                 raise UserError(f"stack {stack} has no GPU environment ([gpu] table in its stack.toml)")
             manifest = manifest.for_gpu()
-        if no_resolve:
+        if upstream:
+            with err_console.status(f"resolving {upstream} for the {stack} stack"):
+                record = write_pin_set(manifest, upstream, log=lambda message: err_console.print(f"[dim]{message}[/]"))
+            manifest = manifest.at_version(record.version)
+        elif no_resolve:
             with err_console.status(f"hashing the {stack} lock"):
                 record = hash_lock(manifest, log=lambda message: err_console.print(f"[dim]{message}[/]"))
         else:
