@@ -319,5 +319,6 @@ def write_comparison(run_dir: Path, stacks: list[str]) -> dict[str, Any]:
     write_redacted(run_dir / "comparison.md", markdown(plan, arms, stages, result["arm_tests"])
                    + "\n".join(pin_lines(result["pin_changes"])) + ("\n" if result["pin_changes"] else ""))
     write_redacted(run_dir / "report.html", render_html(plan, datas, comparison=(
-        [a["stack"] for a in arms], table_rows(arms)), arm_tests=result["arm_tests"]))
+        [a["stack"] for a in arms], table_rows(arms)), arm_tests=result["arm_tests"],
+        pin_lines=pin_lines(result["pin_changes"])))
     return result

@@ -191,8 +191,9 @@ def comparison_table(names: list[str], rows: list[tuple[str, list[str]]]) -> str
 
 def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
            comparison: tuple[list[str], list[tuple[str, list[str]]]] | None = None,
-           arm_tests: dict[str, Any] | None = None) -> str:
-    """One page for one run (one arm) or a comparison (several arms on the same plan)."""
+           arm_tests: dict[str, Any] | None = None, pin_lines: list[str] | None = None) -> str:
+    """One page for one run (one arm) or a comparison (several arms on the same plan); `pin_lines` say what
+    changed between two pins of one stack (runner._compare.pin_lines)."""
     passed_all = all(data["passed"] for _, _, data in arms)
     title = f"Qualification: {', '.join(arm for arm, _, _ in arms)} on {plan.name}"
     sections = [f"<h1>{_e(title)}</h1>",
@@ -209,6 +210,9 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
                         f"{rows}</table>")
     if comparison is not None:
         sections.append("<h2>Side by side</h2>" + comparison_table(*comparison))
+    for line in pin_lines or []:
+        sections.append(f"<h2>{_e(line[3:])}</h2>" if line.startswith("## ") else
+                        f"<p>{_e(line[2:])}</p>" if line.startswith("- ") else "")
     for split, found in (arm_tests or {}).items():
         rows = "".join(f"<tr><td>{_e(p['first'])} vs {_e(p['second'])}</td><td class='num'>{p['first_k']} vs "
                        f"{p['second_k']} of {p['n']}</td><td class='num'>{p['p_holm']:.3g}</td>"
