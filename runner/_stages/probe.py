@@ -14,7 +14,7 @@ from runner_contracts import EnvironmentInfo, GateResult, StageResult
 
 from .._engines.jobs import StackEnvironment
 from .._engines.local import LocalEngine
-from .._pins import check_pins
+from .._pins import check_pins, upstream_revision
 from .._stacks import StackManifest, all_stacks, normalise
 from .._task_packages import task_dependencies
 from .arm import Arm, StageOutput, run_adapter
@@ -31,11 +31,12 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
         lock_sha256=env.lock_sha256, packages=installed,
         deviations=list(manifest.deviations),
         upstream=reported.upstream and msgspec.structs.replace(
-            reported.upstream, git_revision=manifest.upstream.git_revision))
+            reported.upstream, git_revision=upstream_revision(manifest)[0]))
     missing_caps = sorted(set(manifest.capabilities) - set(result.capabilities) - {"build-policy"})
     upstream_version = installed.get(normalise(manifest.upstream.name))
     foreign = {normalise(m.upstream.name) for m in all_stacks().values()
-               if m.name != manifest.name and not normalise(m.upstream.name).startswith("runner-")}
+               if m.name != manifest.name.partition("@")[0]  # a pin set (trl@1.15.0) is its stack's
+               and not normalise(m.upstream.name).startswith("runner-")}
     if manifest.is_environment and "torch" not in manifest.locked_packages():
         foreign.add("torch")  # an environment stack that does not pin torch must not have one
     leaked = sorted(name for name in installed if name in foreign)
