@@ -51,7 +51,9 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
                    detail=f"{manifest.upstream.name} as pinned in stack.toml"),
         GateResult(name=f"{prefix}:capabilities", passed=not missing_caps, measured=result.capabilities,
                    threshold=list(manifest.capabilities),
-                   detail=f"missing: {missing_caps}" if missing_caps else "adapter reports every declared capability"),
+                   detail=(f"missing: {missing_caps}" + "".join(
+                       f"; {cap}: {why}" for cap, why in ((result.metrics or {}).get("missing_apis") or {}).items())
+                       if missing_caps else "adapter reports every declared capability")),
         GateResult(name=f"{prefix}:no-foreign-packages", passed=not leaked, measured=leaked, threshold=[],
                    detail=(f"found {', '.join(leaked)}" if leaked else
                            f"no other stack's upstream{' and no torch' if manifest.is_environment else ''} installed")),

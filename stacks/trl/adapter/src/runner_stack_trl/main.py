@@ -49,14 +49,31 @@ def run(request: StageRequest) -> StageResult:
     return handlers[request.stage](request)
 
 
+def missing_apis() -> dict[str, str]:
+    """capability -> the TRL API this adapter needs for it that the installed release lacks (an older pin
+    set, say), so the probe names it instead of a later stage failing on it."""
+    from trl import chat_template_utils
+
+    missing = {}
+    parse_response = getattr(chat_template_utils, "parse_response", None)
+    if parse_response is None or "tools" not in inspect.signature(parse_response).parameters:
+        missing["multi-turn-tools"] = "trl.chat_template_utils.parse_response(..., tools=...) is not in this trl"
+    if not hasattr(chat_template_utils, "add_response_schema"):
+        missing["multi-turn-tools"] = "trl.chat_template_utils.add_response_schema is not in this trl"
+    return missing
+
+
 def probe(request: StageRequest) -> StageResult:
     import torch
     from runner_kit.rollout import environment_info, reachability
 
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return StageResult(stage="probe", environment=environment_info("trl", gpus), capabilities=CAPABILITIES,
+    missing = missing_apis()
+    return StageResult(stage="probe", environment=environment_info("trl", gpus),
+                       capabilities=[c for c in CAPABILITIES if c not in missing],
                        metrics={"torch": str(torch.__version__), "cuda_available": torch.cuda.is_available(),
-                                "reach": reachability([request.policy_dir] if request.policy_dir else [])})
+                                "reach": reachability([request.policy_dir] if request.policy_dir else []),
+                                "missing_apis": missing})
 
 
 def build_policy(request: StageRequest) -> StageResult:
