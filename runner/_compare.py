@@ -290,9 +290,10 @@ def pin_lines(changes: list[dict[str, Any]]) -> list[str]:
         same = change["final_weights_identical"]
         lines += ["", f"## What changed between {change['first']} and {change['second']}", "",
                   f"- lock: {moved}",
-                  f"- first rollout batch: {change['rollout_token_identical']} of {change['rollout_episodes']} episodes "
-                  "sampled the same tokens" + (f" (first difference: {change['first_differing_episode']})"
-                                               if change["first_differing_episode"] else ""),
+                  (f"- first rollout batch: {change['rollout_token_identical']} of {change['rollout_episodes']} episodes "
+                   "sampled the same tokens" + (f" (first difference: {change['first_differing_episode']})"
+                                                if change["first_differing_episode"] else "")
+                   if change["rollout_episodes"] else "- first rollout batch: not compared (an arm has no rollout)"),
                   "- final weights: " + ("identical" if same else "differ" if same is False else "not compared "
                                          "(an arm has no trained checkpoint)")]
     return lines
