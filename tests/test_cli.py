@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from runner.cli import app
@@ -72,6 +73,7 @@ def test_engine_and_executor_mistakes_are_one_line_errors(tmp_path, monkeypatch)
         assert "Traceback" not in result.output
 
 
+@pytest.mark.slow  # freezing the plan builds the tiny policy (minutes in a cold cache)
 def test_a_slurm_comparison_of_some_stages_puts_them_on_every_arms_run_line(tmp_path):
     """--stages reaches each arm's batch script (a dry run: written, not submitted); without it the arms
     run every stage and the line names none."""
