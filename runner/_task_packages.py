@@ -99,10 +99,7 @@ def _resolve_requirement(package: TaskPackage, plan_file: Path, index: int) -> T
     lock = (plan_file.parent / package.lock).resolve()
     if not lock.is_file():
         raise UserError(f"{where}.lock: {lock}: no such file")
-    from ._pins import unhashed_lines
-
-    if unhashed := unhashed_lines(lock):
-        raise UserError(f"{lock}:{unhashed[0]}: a pin without --hash=sha256 (installed in hash-checking mode)")
+    _require_hashes(lock)
     have = parse_lock(lock).get(normalise(requirement.name))
     if have != pinned[0]:
         raise UserError(f"{lock}: pins {requirement.name}=={have}, the plan asks for {package.requirement}"
@@ -180,11 +177,7 @@ def check_lock(package: Path, dependencies: list[str]) -> None:
     if not lock.is_file():
         raise UserError(f"{pyproject}: declares dependencies ({', '.join(dependencies)}) but {lock} is missing: a "
                         f"task package pins them there with sha256 hashes; {fix}")
-    from ._pins import unhashed_lines
-
-    unhashed = unhashed_lines(lock)
-    if unhashed:
-        raise UserError(f"{lock}:{unhashed[0]}: a pin without --hash=sha256 (installed in hash-checking mode); {fix}")
+    _require_hashes(lock, f"; {fix}")
     locked = parse_lock(lock)
     for text in dependencies:
         try:
@@ -203,6 +196,13 @@ def _lock_of(package: TaskPackage) -> Path | None:
         return Path(package.lock)
     lock = Path(package.path or "") / LOCK_NAME
     return lock if package.path is not None and lock.is_file() else None
+
+
+def _require_hashes(lock: Path, hint: str = "") -> None:
+    from ._pins import unhashed_lines
+
+    if unhashed := unhashed_lines(lock):
+        raise UserError(f"{lock}:{unhashed[0]}: a pin without --hash=sha256 (installed in hash-checking mode){hint}")
 
 
 def merged_pins(packages: list[TaskPackage]) -> list[str]:

@@ -54,13 +54,12 @@ def missing_apis() -> dict[str, str]:
     set, say), so the probe names it instead of a later stage failing on it."""
     from trl import chat_template_utils
 
-    missing = {}
     parse_response = getattr(chat_template_utils, "parse_response", None)
-    if parse_response is None or "tools" not in inspect.signature(parse_response).parameters:
-        missing["multi-turn-tools"] = "trl.chat_template_utils.parse_response(..., tools=...) is not in this trl"
-    if not hasattr(chat_template_utils, "add_response_schema"):
-        missing["multi-turn-tools"] = "trl.chat_template_utils.add_response_schema is not in this trl"
-    return missing
+    absent = [name for name, ok in [
+        ("trl.chat_template_utils.parse_response(..., tools=...)",
+         parse_response is not None and "tools" in inspect.signature(parse_response).parameters),
+        ("trl.chat_template_utils.add_response_schema", hasattr(chat_template_utils, "add_response_schema"))] if not ok]
+    return {"multi-turn-tools": f"{' and '.join(absent)} {'is' if len(absent) == 1 else 'are'} not in this trl"} if absent else {}
 
 
 def probe(request: StageRequest) -> StageResult:
