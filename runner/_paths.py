@@ -31,6 +31,21 @@ def task_package_dir(plan: Plan) -> Path | None:
     return cache_dir() / "task-packages" / digest
 
 
+def native_asset_dir(plan: Plan) -> Path | None:
+    """Where a plan's native asset is built (one folder per package content), or None."""
+    native = plan.task.native
+    return cache_dir() / "native-assets" / (native.sha256 or "")[:16] if native is not None else None
+
+
+def job_paths(plan: Plan, stack: str) -> list[Path]:
+    """What goes on a job's PYTHONPATH: the plan's task packages, and its native asset for the asset's own
+    stack's jobs only (the trainer's and the host's processes never import it)."""
+    paths = [task_package_dir(plan)]
+    if plan.task.native is not None and plan.task.native.stack == stack:
+        paths.insert(0, native_asset_dir(plan))
+    return [path for path in paths if path is not None]
+
+
 def local_packages() -> dict[str, Path]:
     """Our own small distributions installed into every stack environment, by name."""
     return {

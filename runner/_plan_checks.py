@@ -13,11 +13,14 @@ from qualification.tasks import FamilyError, get_family
 from runner_contracts import Plan, TinyRecipe
 from runner_contracts.io import explain_error
 
+from ._errors import UserError
 from ._policy import checkpoint_problems
+from ._stacks import all_stacks, get_stack
 
 
 def plan_problems(plan: Plan) -> Iterator[tuple[str, str]]:
     yield from _task_problems(plan)
+    yield from _native_problems(plan)
     yield from _policy_problems(plan)
     gates, budget = plan.gates, plan.budget
     if gates.resume_kill_after_step >= gates.resume_steps:
@@ -56,7 +59,12 @@ def _task_problems(plan: Plan) -> Iterator[tuple[str, str]]:
         except FamilyError as error:
             yield f"task.{role}.family", str(error)
             continue
-        if spec.split not in split_family.frozen_splits:
+        try:
+            offered = split_family.frozen_splits  # a native task reads its dataset here
+        except FamilyError as error:
+            yield ("task.native.dataset" if task.native is not None else f"task.{role}.family"), str(error)
+            return
+        if spec.split not in offered:
             yield (f"task.{role}.split", f"task family {split_family.name} has no split {spec.split!r}; it offers "
                    f"{', '.join(sorted(split_family.frozen_splits))}")
             continue
@@ -65,6 +73,45 @@ def _task_problems(plan: Plan) -> Iterator[tuple[str, str]]:
         except Exception as error:  # a family's own generator: whatever it raises is the plan's problem
             yield (f"task.{role}.n", f"task family {split_family.name} cannot give {spec.n} items of split "
                    f"{spec.split!r} with seed {spec.seed}: {error}")
+
+
+NATIVE_CAPABILITY = "native-assets"
+
+
+def _native_problems(plan: Plan) -> Iterator[tuple[str, str]]:
+    native = plan.task.native
+    if native is None:
+        return
+    try:
+        manifest = get_stack(native.stack)
+    except UserError as error:
+        yield "task.native.stack", str(error)
+        return
+    if NATIVE_CAPABILITY not in manifest.capabilities:
+        able = sorted(name for name, stack in all_stacks().items() if NATIVE_CAPABILITY in stack.capabilities)
+        yield ("task.native.stack", f"the {native.stack} stack does not run a team's native asset; "
+               f"stacks that do: {', '.join(able)}")
+    if (plan.task.retention.family or plan.task.family) == plan.task.family:
+        yield ("task.retention.family", f"a native task has no retention split: name a retention probe of its "
+               "own (retention: {family: german-arith, split: retention, ...})")
+    try:
+        get_family(plan.task.family).service_cases()
+    except FamilyError as error:
+        yield "task.native.cases", str(error)
+    recipe = plan.policy.tiny or {}
+    if plan.task.family in (recipe.get("families") or ()):
+        yield ("policy.tiny.families", f"{plan.task.family} is a native asset's task, which has no "
+               "demonstrations to warm-start on")
+
+
+def native_arm_problem(plan: Plan, stacks: list[str]) -> str | None:
+    """Why a plan with a native asset cannot run these arms: the asset runs only in its own stack."""
+    native = plan.task.native
+    others = [name for name in stacks if native is not None and name.split("@", 1)[0] != native.stack]
+    if others:
+        return (f"the plan runs a native {native.stack} asset ({native.env}), which only the {native.stack} arm "
+                f"can run; {', '.join(others)} cannot (arms are comparable only on the same asset)")
+    return None
 
 
 def _policy_problems(plan: Plan) -> Iterator[tuple[str, str]]:

@@ -27,12 +27,13 @@ from pathlib import Path
 import msgspec
 from packaging.requirements import InvalidRequirement, Requirement
 
-from runner_contracts import Plan, TaskPackage, write_atomic
+from qualification.tasks import use_plan
+from runner_contracts import NativeAsset, Plan, TaskPackage, write_atomic
 
 from ._engines.jobs import file_lock, tree_hash
 from ._errors import EngineError, UserError
 from ._files import read_toml
-from ._paths import cache_dir, task_package_dir
+from ._paths import cache_dir, native_asset_dir, task_package_dir
 from ._stacks import normalise, parse_lock
 
 ENTRY_POINT_GROUP = "runner.task_families"
@@ -52,13 +53,34 @@ if _dependencies not in sys.path:
 def resolve(plan: Plan, plan_file: Path) -> Plan:
     """The plan with each task package's path (or lock) made absolute (relative paths are the plan
     file's), its distribution name read and its content hashed; refuses a package that cannot provide
-    families."""
+    families. A native asset's package is resolved and hashed the same way."""
     resolved = [_resolve_requirement(package, plan_file, index) if package.requirement is not None
                 else _resolve_path(package, plan_file, index) for index, package in enumerate(plan.task.packages)]
     merged_pins(resolved)  # refuses two packages pinning one distribution differently
-    if not resolved:
-        return plan
-    return msgspec.structs.replace(plan, task=msgspec.structs.replace(plan.task, packages=resolved))
+    task = plan.task
+    if resolved:
+        task = msgspec.structs.replace(task, packages=resolved)
+    if task.native is not None:
+        task = msgspec.structs.replace(task, native=_resolve_native(task.native, plan_file))
+    return plan if task is plan.task else msgspec.structs.replace(plan, task=task)
+
+
+def _resolve_native(native: NativeAsset, plan_file: Path) -> NativeAsset:
+    where = f"{plan_file}: field task.native"
+    path = (plan_file.parent / Path(native.package).expanduser()).resolve()
+    pyproject = path / "pyproject.toml"
+    if not pyproject.is_file():
+        raise UserError(f"{where}.package: {path} has no pyproject.toml; a native asset is the Python project "
+                        f"that holds the team's environment (installed into the {native.stack} stack's jobs)")
+    project = read_toml(pyproject, dict).get("project", {})
+    if not project.get("name"):
+        raise UserError(f"{pyproject}: needs [project] name")
+    check_lock(path, project.get("dependencies", []))
+    for field in ("dataset", "cases"):
+        relative = getattr(native, field)
+        if relative is not None and not (path / relative).is_file():
+            raise UserError(f"{where}.{field}: {path / relative}: no such file (the path is the package's)")
+    return msgspec.structs.replace(native, package=str(path), name=project["name"], sha256=tree_hash([path]))
 
 
 def _resolve_path(package: TaskPackage, plan_file: Path, index: int) -> TaskPackage:
@@ -110,26 +132,39 @@ def _resolve_requirement(package: TaskPackage, plan_file: Path, index: int) -> T
 
 def build(plan: Plan, log=lambda message: None) -> Path | None:
     """Builds the plan's task packages into their folder unless it exists; returns the folder."""
-    target = task_package_dir(plan)
+    return _build(plan.task.packages, task_package_dir(plan), "task packages", log)
+
+
+def build_native(plan: Plan, log=lambda message: None) -> Path | None:
+    """Builds the plan's native asset (its package and locked dependencies) into its folder; returns it."""
+    native = plan.task.native
+    if native is None:
+        return None
+    return _build([TaskPackage(path=native.package, name=native.name, sha256=native.sha256)], native_asset_dir(plan),
+                  f"the {native.stack} native asset", log)
+
+
+def _build(packages: list[TaskPackage], target: Path | None, what: str, log) -> Path | None:
     if target is None:
         return None
+    target.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(target.with_name(target.name + ".lock")):
         if target.is_dir():
             return target
-        log(f"building task packages {', '.join(p.name or p.path or '' for p in plan.task.packages)} into {target}")
+        log(f"building {what} {', '.join(p.name or p.path or '' for p in packages)} into {target}")
         with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as scratch:
             copies = [shutil.copytree(p.path, Path(scratch) / "src" / str(i),
                                       ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-                      for i, p in enumerate(plan.task.packages) if p.path is not None]
+                      for i, p in enumerate(packages) if p.path is not None]
             out = Path(scratch) / "out"
             out.mkdir()
-            pins = merged_pins(plan.task.packages)
+            pins = merged_pins(packages)
             if pins:  # requirement packages come in with their locks, after the environment's own packages
                 install_locked(pins, out / DEPENDENCIES, Path(scratch))
                 (out / "sitecustomize.py").write_text(SITECUSTOMIZE)
             if copies:
                 _pip(["install", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--target", str(out),
-                      *map(str, copies)], "building task packages")
+                      *map(str, copies)], f"building {what}")
             for root, dirs, files in os.walk(out):  # jobs run as other users in containers: world-readable
                 os.chmod(root, 0o755)
                 for name in files:
@@ -224,9 +259,11 @@ def merged_pins(packages: list[TaskPackage]) -> list[str]:
 
 
 def task_dependencies(plan: Plan) -> tuple[str, ...]:
-    """The distribution names the plan's task packages' locks bring (normalised); the probe's lock gate
-    does not count them, as it does not count the packages."""
-    pins = merged_pins(plan.task.packages)
+    """The distribution names the plan's task packages' locks bring, and its native asset's (normalised);
+    the probe's lock gate does not count them, as it does not count the packages."""
+    native = plan.task.native
+    pins = merged_pins(plan.task.packages) + (merged_pins([TaskPackage(path=native.package, name=native.name)])
+                                              if native is not None else [])
     return tuple(normalise(line.partition("==")[0]) for line in pins)
 
 
@@ -268,7 +305,10 @@ def _pip(args: list[str], what: str) -> None:
 
 
 def activate(plan: Plan, log=lambda message: None) -> None:
-    """Builds the plan's task packages and makes their families visible to this (host) process."""
+    """Builds the plan's task packages and makes their families visible to this (host) process; builds its
+    native asset (for its stack's jobs: the host never imports it) and registers the asset's task."""
+    build_native(plan, log)
+    use_plan(plan)
     target = build(plan, log)
     if target is None or str(target) in sys.path:
         return

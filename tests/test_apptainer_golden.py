@@ -116,4 +116,4 @@ def test_inputs_reached_through_a_symlink_are_mounted_at_the_name_the_job_uses(t
                            out_dir=str(run_dir / "s"), policy_dir=str(linked),
                            options={"trained_policy": str(run_dir / "stages" / "train" / "c")})
     # the linked name, not the resolved one; the run directory's own input is mounted with the run directory
-    assert read_only_inputs(request, outside=run_dir) == [linked]
+    assert read_only_inputs(request, request.stack, outside=run_dir) == [linked]

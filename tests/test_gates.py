@@ -116,14 +116,15 @@ def test_the_service_gate_expects_every_scripted_case_of_the_plan():
     from qualification.tasks import get_family
     from runner_contracts import ErrorInfo, PolicyCall, ServiceCase
 
-    from runner._stages.service import SERVICE_ITEMS_PER_FAMILY, _service_splits, scripted_episodes_gate
+    from runner._stages.service import SERVICE_ITEMS_PER_FAMILY, scripted_episodes_gate
     from runner.api import load_plan
 
     plan = load_plan(CALC_PLAN)
+    splits = [(plan.task.family, plan.task.train), (plan.task.retention.family, plan.task.retention)]
     cases = [ServiceCase(task_id=item.task_id, item=item.to_json(), case=case["case"],
                          expected_success=case["expected_success"], final_text="", tool_calls=[], stack_reward=0.0,
                          episode_id=f"service/{item.task_id}/{case['case']}")
-             for name, split in _service_splits(plan)
+             for name, split in splits
              for item in get_family(name).generate(split.split, SERVICE_ITEMS_PER_FAMILY, split.seed)
              for case in get_family(name).scripted_cases(item)]
 

@@ -59,9 +59,9 @@ def job_for_request(manifest: StackManifest, request: StageRequest, sif: Path, r
     """The Apptainer job for one stage request: the same policy as the container engine (run directory
     writable, inputs read-only at their host paths, the allow-listed environment, GPUs from the plan)."""
     out_dir = Path(request.out_dir)
-    environment = job_env(STACK_PREFIX / "bin", out_dir / ".home", request.plan)
+    environment = job_env(STACK_PREFIX / "bin", out_dir / ".home", request.plan, manifest.name)
     return ApptainerJob(sif=sif, adapter=manifest.adapter, request=out_dir / "request.json", workdir=out_dir,
-                        writable=(run_dir,), read_only=tuple(read_only_inputs(request, outside=run_dir)),
+                        writable=(run_dir,), read_only=tuple(read_only_inputs(request, manifest.name, outside=run_dir)),
                         environment=environment,
                         gpus=request.plan.budget.gpus, binary=binary)
 

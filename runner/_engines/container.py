@@ -103,14 +103,14 @@ class ContainerEngine:
     def _create(self, env: StackEnvironment, request: StageRequest, *, peer: Any) -> Any:
         out_dir, request_path = write_request(request)
         run_dir = run_dir_of(out_dir)
-        environment = scrubbed_env(STACK_PREFIX / "bin", out_dir / ".home", request.plan)
+        environment = scrubbed_env(STACK_PREFIX / "bin", out_dir / ".home", request.plan, env.manifest.name)
         environment = {key: value for key, value in environment.items() if not key.startswith("PIP_")}
         user = _container_user()
         if os.geteuid() == 0:
             _chown_tree(out_dir, *CONTAINER_USER)
         _check_readable(run_dir, user)
         volumes = {str(run_dir): {"bind": str(run_dir), "mode": "rw"}}
-        for path in read_only_inputs(request, outside=run_dir):
+        for path in read_only_inputs(request, env.manifest.name, outside=run_dir):
             _check_readable(path, user)
             volumes[str(path)] = {"bind": str(path), "mode": "ro"}
         budget = request.plan.budget

@@ -25,7 +25,7 @@ from runner_contracts import Plan, StageRequest, write_record
 from runner_contracts.processes import JOB_TOKEN_VAR, descendants, die_with_parent, end_job, innermost_pid, kill_trees
 
 from .._errors import EngineError
-from .._paths import task_package_dir
+from .._paths import job_paths
 from .._stacks import StackManifest
 
 STACK_PREFIX = Path("/opt/stack")  # the stack's virtualenv inside its image or SIF
@@ -101,15 +101,14 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def read_only_inputs(request: StageRequest, *, outside: Path | None = None) -> list[Path]:
+def read_only_inputs(request: StageRequest, stack: str, *, outside: Path | None = None) -> list[Path]:
     """Host paths a job reads: the policy, a checkpoint to resume from, a trained policy to evaluate, the
-    plan's built task packages; with `outside`, only those not under that folder (the run directory,
+    plan's built task packages (and its native asset, for a job in `stack`'s own environment); with `outside`, only those not under that folder (the run directory,
     mounted writable anyway). The paths are the ones the request names, made absolute but not resolved:
     a job opens them by those names, so a policy or cache reached through a symlink (a home cache linked
     to scratch space) is mounted at the name the job uses (the mount follows the link on the host)."""
     paths = [Path(request.policy_dir)] if request.policy_dir else []
-    if task_package_dir(request.plan) is not None:
-        paths.append(task_package_dir(request.plan))
+    paths += job_paths(request.plan, stack)
     if request.resume_from:
         paths.append(Path(request.resume_from))
     if request.options.get("trained_policy"):
@@ -135,19 +134,19 @@ def run_dir_of(out_dir: Path) -> Path:
     return out_dir.resolve()
 
 
-def job_env(python_bin_dir: Path, home: Path, plan: Plan | None = None) -> dict[str, str]:
+def job_env(python_bin_dir: Path, home: Path, plan: Plan | None = None, stack: str = "") -> dict[str, str]:
     """What every job's environment sets, whatever the host: offline flags, PATH, a private HOME and TMPDIR,
-    and the plan's task packages on PYTHONPATH."""
-    packages = task_package_dir(plan) if plan is not None else None
+    and the plan's task packages (and, for its own stack's jobs, its native asset) on PYTHONPATH."""
+    packages = os.pathsep.join(map(str, job_paths(plan, stack))) if plan is not None else None
     return {**FIXED_ENV, "LANG": "C.UTF-8", "PATH": f"{python_bin_dir}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(home), "HF_HOME": str(home / "hf"), "XDG_CACHE_HOME": str(home / "cache"),
             "TMPDIR": str(home / "tmp"), **({"PYTHONPATH": str(packages)} if packages else {})}
 
 
-def scrubbed_env(python_bin_dir: Path, home: Path, plan: Plan | None = None) -> dict[str, str]:
+def scrubbed_env(python_bin_dir: Path, home: Path, plan: Plan | None = None, stack: str = "") -> dict[str, str]:
     """job_env plus the allow-listed host variables (LANG too, when the host sets it); creates TMPDIR."""
     env = {key: os.environ[key] for key in PASSTHROUGH if key in os.environ}
-    env.update({key: value for key, value in job_env(python_bin_dir, home, plan).items()
+    env.update({key: value for key, value in job_env(python_bin_dir, home, plan, stack).items()
                 if not (key == "LANG" and "LANG" in env)})
     (home / "tmp").mkdir(parents=True, exist_ok=True)
     return env

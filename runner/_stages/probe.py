@@ -40,7 +40,9 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
     if manifest.is_environment and "torch" not in manifest.locked_packages():
         foreign.add("torch")  # an environment stack that does not pin torch must not have one
     leaked = sorted(name for name in installed if name in foreign)
-    task_packages = (*(normalise(p.name or "") for p in arm.plan.task.packages), *task_dependencies(arm.plan))
+    native = arm.plan.task.native
+    task_packages = (*(normalise(p.name or "") for p in arm.plan.task.packages), *task_dependencies(arm.plan),
+                     *([normalise(native.name or "")] if native is not None else []))
     gates = [
         msgspec.structs.replace(lock_gate(installed, manifest.locked_packages(), task_packages),
                                 name=f"{prefix}:lock-match"),

@@ -7,7 +7,7 @@ from collections import Counter
 from typing import Any
 
 from qualification.gates import service_gates
-from qualification.tasks import exact_overlap, get_family, ngram_overlap, split_hash
+from qualification.tasks import exact_overlap, get_family, ngram_overlap, service_cases, split_hash
 from runner_contracts import SERVICE_CALLS_FILE, GateResult, Plan, PolicyCall, ServiceCase, read_jsonl
 
 from .arm import Arm, StageOutput, run_adapter
@@ -37,9 +37,7 @@ def scripted_episodes_gate(plan: Plan, cases: list[ServiceCase], calls: list[Pol
                            items_per_family: int = SERVICE_ITEMS_PER_FAMILY) -> tuple[GateResult, dict[str, Any]]:
     """Every scripted case the host expects (it derives them from the plan itself) ran once and completed,
     and every policy call the scripted server answered names one of them."""
-    expected = {(item.task_id, case["case"]) for family_name, split in _service_splits(plan)
-                for item in get_family(family_name).generate(split.split, items_per_family, split.seed)
-                for case in get_family(family_name).scripted_cases(item)}
+    expected = {(item.task_id, case["case"]) for _, item, case in service_cases(plan, items_per_family)}
     ran = Counter((case.task_id, case.case) for case in cases)
     missing, unexpected = sorted(expected - ran.keys()), sorted(ran.keys() - expected)
     repeated = sorted(key for key, count in ran.items() if count > 1)
@@ -59,11 +57,6 @@ def scripted_episodes_gate(plan: Plan, cases: list[ServiceCase], calls: list[Pol
                                        if calls else "the service stage recorded no policy call"))
     return gate, {"policy_calls": len(calls), "channels": channels, "failed_episodes": len(failed),
                   "missing_cases": len(missing), "unattributed_calls": unattributed}
-
-
-def _service_splits(plan: Plan) -> list[tuple[str, Any]]:
-    """The splits whose items the service stage scripts: train's and retention's families."""
-    return [(plan.task.family, plan.task.train), (plan.task.retention.family or plan.task.family, plan.task.retention)]
 
 
 def split_evidence(plan: Plan) -> tuple[dict[str, Any], list[GateResult]]:
@@ -88,5 +81,8 @@ def split_evidence(plan: Plan) -> tuple[dict[str, Any], list[GateResult]]:
                    passed=(plan.reward.scorer, plan.reward.version) == (scorer.name, scorer.scorer_version),
                    measured=f"{scorer.name} v{scorer.scorer_version}",
                    threshold=f"{plan.reward.scorer} v{plan.reward.version}",
-                   detail="the plan's reward scorer and version are the task family's reference scorer"),
+                   detail="the plan's reward scorer and version are the task family's reference scorer"
+                   if getattr(scorer, "reference_scorer", True) else
+                   f"the plan's reward names the native asset's task: the reward is the {plan.task.native.stack} "
+                   "environment's own (no reference scorer)"),
     ]

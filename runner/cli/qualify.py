@@ -10,6 +10,7 @@ from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
 from .._plan import load_plan
+from .._plan_checks import native_arm_problem
 from .._policy import resolve_policy
 from .._report import gate_table, load_run
 from .._stacks import get_stack
@@ -83,6 +84,8 @@ def qualify(
     with cli_errors():
         manifest = get_stack(stack)
         plan = load_plan(plan_path, logger(json_output))
+        if problem := native_arm_problem(plan, [stack]):
+            raise UserError(problem)
         if resume and run_dir is not None and not run_dir.is_dir():
             raise UserError(f"--resume: {run_dir} is not a run directory; nothing to continue")
         target = writable_run_dir(run_dir) if run_dir else None

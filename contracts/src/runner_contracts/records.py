@@ -48,6 +48,31 @@ class TaskPackage(Record, kw_only=True, omit_defaults=True):
     sha256: Sha256 | None = None
 
 
+class NativeAsset(Record, kw_only=True, omit_defaults=True):
+    """A team's own environment in one environment stack's native form (a SkyRL Gym env, an OpenEnv
+    Environment), named by the plan: `package` is the Python project that holds it, installed into that
+    stack's jobs only (never the host's); `module` is imported there first (it registers the env); `env`
+    names it (skyrl-gym: a registered id; openenv: `module:Class`); `kwargs` go to its constructor.
+    Episodes come from `dataset` (JSONL rows in the stack's own dataset format, inside the package) or,
+    without one, from seeds. `cases` is the asset's optional answer key: scripted turns with the reward
+    they must earn. The reward is the asset's own; an episode counts as solved at `success_reward` or
+    above. A tool environment that scores answers through a tool names it in `answer_tool`: a reply without
+    a tool call is submitted through it. The host fills in the package's absolute path and the sha256 of its tree, so the plan id
+    covers it."""
+
+    stack: str
+    package: str
+    env: str
+    module: str | None = None
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    dataset: str | None = None
+    cases: str | None = None
+    success_reward: float = 1.0
+    answer_tool: str | None = None  # openenv: the tool a plain-text final answer is submitted through
+    name: str | None = None  # the package's distribution name (filled in by the host)
+    sha256: Sha256 | None = None
+
+
 class TaskSpec(Record, kw_only=True, omit_defaults=True):
     family: str
     train: SplitSpec
@@ -55,6 +80,7 @@ class TaskSpec(Record, kw_only=True, omit_defaults=True):
     retention: SplitSpec
     # Omitted when empty (omit_defaults), so plans without task packages keep the ids they always had.
     packages: list[TaskPackage] = msgspec.field(default_factory=list)
+    native: NativeAsset | None = None  # task.family is then the asset's task, run only by native.stack
 
 
 class PolicySpec(Record, kw_only=True):

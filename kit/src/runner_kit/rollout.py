@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from qualification.tasks import get_family
+from qualification.tasks import get_family, service_cases, use_plan
 from runner_contracts import (
     ENVIRONMENT_FILE,
     SERVICE_CALLS_FILE,
@@ -162,44 +162,53 @@ class RolloutBackend:
 
 
 class ServerBackend(RolloutBackend):
-    """A backend whose environment is one server process it starts (`self.server`, a ServerProcess): start,
-    kill, restart and stop under one lock. Subclasses set `server` in __init__ and write run_episode,
-    taking the URL from running_url()."""
+    """A backend whose environment is server processes it starts (`self.server`, a ServerProcess, and any
+    others `servers()` names): start, kill, restart and stop, all of them together, under one lock.
+    Subclasses set `server` in __init__ and write run_episode, taking the URL from running_url()."""
 
     server: ServerProcess
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
 
+    def servers(self) -> list[ServerProcess]:
+        return [self.server]
+
     def start(self) -> None:
         with self._lock:
-            if not self.server.alive():
-                self.server.start()
+            for server in self.servers():
+                if not server.alive():
+                    server.start()
 
     def environment_pids(self) -> list[int]:
         with self._lock:
-            return [self.server.process.pid] if self.server.alive() and self.server.process else []
+            return [server.process.pid for server in self.servers() if server.alive() and server.process]
 
     def kill_environment(self) -> None:
         with self._lock:
-            self.server.kill()
+            for server in self.servers():
+                server.kill()
 
     def restart_environment(self) -> None:
         with self._lock:
-            if not (self.server.alive() and self.server.healthy()):
-                self.server.kill()
-                self.server.start()
+            for server in self.servers():
+                if not (server.alive() and server.healthy()):
+                    server.kill()
+                    server.start()
 
     def stop(self) -> None:
         with self._lock:
-            self.server.stop()
+            for server in self.servers():
+                server.stop()
 
-    def running_url(self) -> str:
-        """The server's URL; EnvironmentDown if it is not running (killed and not yet restarted)."""
+    def running_url(self, server: ServerProcess | None = None) -> str:
+        """The URL of `server` (default: `self.server`); EnvironmentDown if it is not running (killed and not
+        yet restarted)."""
+        server = server or self.server
         with self._lock:
-            if not self.server.alive():
-                raise EnvironmentDown(f"{self.server.name} {self.server.url} is not running")
-            return self.server.url
+            if not server.alive():
+                raise EnvironmentDown(f"{server.name} {server.url} is not running")
+            return server.url
 
 
 # --- probe -------------------------------------------------------------------------------------------
@@ -356,6 +365,7 @@ class BatchRunner:
 
 def adapter_main(backend: RolloutBackend, request: StageRequest) -> StageResult:
     handlers = {"probe": _probe, "service": _service, "serve": _serve, "bench": _bench}
+    use_plan(request.plan)  # a plan's native task is a family of its own in this process
     if request.stage not in handlers:
         raise ValueError(f"{backend.stack} adapter has no stage {request.stage!r}; it has {', '.join(handlers)}")
     return handlers[request.stage](backend, request)
@@ -371,17 +381,9 @@ def _probe(backend: RolloutBackend, request: StageRequest) -> StageResult:
 def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:
     """Scripted known-good and known-bad episodes through the stack's native loop and scoring."""
     plan = request.plan
-    per_family = int(request.options.get("items_per_family", 3))
-    specs = [(plan.task.family, plan.task.train), (plan.task.retention.family or plan.task.family, plan.task.retention)]
-    episodes: list[tuple[EpisodeSpec, Any, dict[str, Any]]] = []
-    for family_name, split in specs:
-        family = get_family(family_name)
-        for item in family.generate(split.split, per_family, split.seed):
-            for case in family.scripted_cases(item):
-                episode = EpisodeSpec(episode_id=f"service/{item.task_id}/{case['case']}", task_id=item.task_id,
-                                      family=family_name, item=item.to_json(), seed=0,
-                                      max_turns=plan.budget.max_turns)
-                episodes.append((episode, item, case))
+    episodes = [(EpisodeSpec(episode_id=f"service/{item.task_id}/{case['case']}", task_id=item.task_id,
+                             family=family_name, item=item.to_json(), seed=0, max_turns=plan.budget.max_turns), item, case)
+                for family_name, item, case in service_cases(plan, int(request.options.get("items_per_family", 3)))]
     scripts = {episode.episode_id: case["turns"] for episode, _, case in episodes}
     backend.start()
     try:

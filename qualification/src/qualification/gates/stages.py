@@ -42,10 +42,19 @@ def lock_gate(installed: dict[str, str], locked: dict[str, str], also_ignored: t
 def service_gates(cases: list[ServiceCase]) -> list[GateResult]:
     """Stack rewards equal the reference scorer; known-good cases succeed, known-bad fail; tool results
     equal the reference tool implementation."""
-    mismatched, wrong_expectation, wrong_tools = [], [], []
+    mismatched, wrong_expectation, wrong_tools, keyless = [], [], [], []
+    native = []
     for case in cases:
         item = TaskItem.from_json(case.item)
         family = get_family(item.family)
+        if not getattr(family, "reference_scorer", True):
+            native.append(case)
+            expected = family.expected_reward(case.task_id, case.case)
+            if expected is None:
+                keyless.append(case)
+            elif not math.isclose(expected, case.stack_reward, abs_tol=1e-6):
+                mismatched.append(f"{case.task_id}/{case.case}: environment {case.stack_reward} vs answer key {expected}")
+            continue
         calls = [ToolCall(name=c["name"], arguments=c.get("arguments", {}), result=str(c.get("result", "")))
                  for c in case.tool_calls]
         _, reference_results = replay(family, item, calls)
@@ -57,17 +66,28 @@ def service_gates(cases: list[ServiceCase]) -> list[GateResult]:
             mismatched.append(f"{case.task_id}/{case.case}: stack {case.stack_reward} vs reference {reference.reward}")
         if reference.success != case.expected_success:
             wrong_expectation.append(f"{case.task_id}/{case.case}: expected success={case.expected_success}")
-    good = sum(1 for case in cases if case.expected_success)
-    return [
-        GateResult(name="service:reward-equals-reference", passed=bool(cases) and not mismatched,
-                   measured=len(mismatched), threshold=0,
-                   detail="; ".join(mismatched[:3]) or f"{len(cases)} scripted episodes scored identically"),
-        GateResult(name="service:known-answers", passed=bool(cases) and not wrong_expectation and 0 < good < len(cases),
+    keyed = [case for case in cases if case not in keyless]
+    good = sum(1 for case in keyed if case.expected_success)
+    scored = (f"{len(keyed) - len(native)} scripted episodes scored as the reference scorer does"
+              + (f"; {len(native) - len(keyless)} of the native asset's as its answer key says (reward from the "
+                 "environment's own reward; no reference scorer)" if native else ""))
+    gates = [
+        GateResult(name="service:reward-equals-reference", passed=bool(keyed) and not mismatched,
+                   measured=len(mismatched), threshold=0, detail="; ".join(mismatched[:3]) or scored),
+        GateResult(name="service:known-answers", passed=bool(keyed) and not wrong_expectation and 0 < good < len(keyed),
                    measured=len(wrong_expectation), threshold=0,
-                   detail="; ".join(wrong_expectation[:3]) or f"{good} known-good succeed, {len(cases) - good} known-bad fail"),
+                   detail="; ".join(wrong_expectation[:3]) or f"{good} known-good succeed, {len(keyed) - good} known-bad fail"),
         GateResult(name="service:tool-results", passed=not wrong_tools, measured=len(wrong_tools), threshold=0,
-                   detail="; ".join(wrong_tools[:3]) or "every tool result equals the reference tool"),
+                   detail="; ".join(wrong_tools[:3]) or "every tool result equals the reference tool"
+                   + ("; a native asset's tools are its own, with no reference to compare" if native else "")),
     ]
+    if keyless:
+        gates.append(GateResult(
+            name="service:native-lifecycle", passed=all(case.status == "completed" for case in keyless),
+            measured=sum(case.status != "completed" for case in keyless), threshold=0,
+            detail=f"{len(keyless)} episodes of the native asset ran start to end; it ships no answer key "
+                   "(task.native.cases), so its rewards were not checked"))
+    return gates
 
 
 def checkpoint_revisions(checkpoint_dir: Path) -> tuple[dict[int, str], list[str]]:
@@ -161,24 +181,32 @@ def resume_gates(uninterrupted: list[Trajectory], interrupted: list[Trajectory],
 def evaluate_gates(records: list[EvalRecord], margin: float, confidence: float) -> tuple[list[GateResult], dict]:
     """Re-scores every episode, pairs base and trained on the same items, and states verdicts."""
     rescored_wrong = []
+    native = 0
     by_split: dict[str, dict[str, dict[str, bool]]] = defaultdict(lambda: defaultdict(dict))
     sampled: dict[str, dict[str, dict[str, list[bool | None]]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(list)))
     for record in records:
         item = TaskItem.from_json(record.item)
-        calls = [ToolCall(name=c["name"], arguments=c.get("arguments", {}), result=str(c.get("result", "")))
-                 for c in record.tool_calls]
-        reference = get_family(item.family).score(item, Transcript(final_text=record.final_text, tool_calls=calls))
-        if reference.success != record.success:
+        family = get_family(item.family)
+        if getattr(family, "reference_scorer", True):
+            calls = [ToolCall(name=c["name"], arguments=c.get("arguments", {}), result=str(c.get("result", "")))
+                     for c in record.tool_calls]
+            success = family.score(item, Transcript(final_text=record.final_text, tool_calls=calls)).success
+        else:  # the asset's own reward is all there is: success must be what its threshold makes of it
+            native += 1
+            success = family.solved(record.stack_reward)
+        if success != record.success:
             rescored_wrong.append(f"{record.policy}/{record.task_id}")
         if record.decoding == "sampled":
-            outcome = None if record.finish_reason == "error" else reference.success
+            outcome = None if record.finish_reason == "error" else success
             sampled[record.split][record.policy][record.task_id].append(outcome)
         else:
-            by_split[record.split][record.policy][record.task_id] = reference.success
+            by_split[record.split][record.policy][record.task_id] = success
     summary: dict[str, dict] = {}
     gates = [GateResult(name="evaluate:scores-verified", passed=bool(records) and not rescored_wrong,
                         measured=len(rescored_wrong), threshold=0,
-                        detail=f"re-scored {len(records)} episodes with the reference scorer")]
+                        detail=f"re-scored {len(records) - native} episodes with the reference scorer"
+                        + (f"; {native} episodes of the native asset checked against its own reward and the plan's "
+                           "success_reward (no reference scorer)" if native else ""))]
     for split, policies in sorted(by_split.items()):
         base, trained = policies.get("base", {}), policies.get("trained", {})
         items = sorted(base)

@@ -20,11 +20,12 @@ from .base import (
     split_hash,
     strict_final_answer,
 )
-from .check import check_family, play_scripted_case
+from .check import check_family, play_scripted_case, service_cases
+from .native import NativeFamily, use_plan
 from .registry import GROUP, FamilyError, FamilySource, families, get_family, source_of, sources
 
 __all__ = [
-    "GROUP", "SPLITS", "FamilyError", "FamilySource", "Score", "TaskFamily", "TaskItem", "ToolCall",
+    "GROUP", "SPLITS", "FamilyError", "FamilySource", "NativeFamily", "Score", "TaskFamily", "TaskItem", "ToolCall",
     "ToolParam", "ToolSpec", "Transcript", "check_family", "exact_overlap", "families", "get_family",
-    "ngram_overlap", "opening_messages", "play_scripted_case", "replay", "source_of", "sources", "split_hash", "strict_final_answer",
+    "ngram_overlap", "opening_messages", "play_scripted_case", "replay", "source_of", "sources", "split_hash", "strict_final_answer", "use_plan", "service_cases",
 ]

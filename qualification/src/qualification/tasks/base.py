@@ -96,7 +96,11 @@ class TaskFamily(Protocol):
 
 def opening_messages(family: TaskFamily, item: TaskItem) -> list[dict[str, Any]]:
     """An episode's first messages: the system prompt (the family's `system_prompt_for(item)` where it
-    has one, a dataset row's own say, else its `system_prompt`) and the item's question."""
+    has one, a dataset row's own say, else its `system_prompt`) and the item's question; a family whose
+    items carry their own conversation (a native asset's rows) gives it through `messages_for(item)`."""
+    own = getattr(family, "messages_for", None)
+    if own is not None:
+        return own(item)
     per_item = getattr(family, "system_prompt_for", None)
     system = per_item(item) if per_item is not None else family.system_prompt
     return [{"role": "system", "content": system}, {"role": "user", "content": item.question}]

@@ -7,6 +7,22 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Score, TaskFamily, TaskItem, ToolCall, Transcript, exact_overlap
+from .registry import get_family
+
+
+def service_cases(plan: Any, per_family: int = 3) -> list[tuple[str, TaskItem, dict[str, Any]]]:
+    """(family, item, case) of every scripted episode the service stage runs for `plan`: `per_family` items
+    of the train split's and of the retention split's family with each item's scripted cases, or a native
+    asset's own answer key. The adapter that runs them and the host that expects them both call this."""
+    cases = []
+    for family_name, split in ((plan.task.family, plan.task.train),
+                               (plan.task.retention.family or plan.task.family, plan.task.retention)):
+        family = get_family(family_name)
+        own = getattr(family, "service_cases", None)
+        pairs = own() if own is not None else [(item, case) for item in family.generate(split.split, per_family, split.seed)
+                                               for case in family.scripted_cases(item)]
+        cases += [(family_name, item, case) for item, case in pairs]
+    return cases
 
 
 def play_scripted_case(family: TaskFamily, item: TaskItem, case: dict[str, Any]) -> Score:

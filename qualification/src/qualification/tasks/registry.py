@@ -52,7 +52,19 @@ def sources() -> dict[str, FamilySource]:
             for name, point in sorted(_entry_points().items())}
 
 
+_registered: dict[str, TaskFamily] = {}
+
+
+def register(family: TaskFamily) -> None:
+    """Makes `family` known by its name in this process, ahead of the entry points (a plan's native task)."""
+    _registered[family.name] = family
+
+
 def source_of(name: str) -> FamilySource:
+    if name in _registered:
+        native = getattr(_registered[name], "native", None)
+        where = f"{native.stack} native asset {native.env} ({native.package})" if native else "registered"
+        return FamilySource(name=name, reference=where, distribution=None, version=None)
     points = _entry_points()
     if name not in points:
         raise FamilyError(f"unknown task family {name!r}; known: {', '.join(sorted(points))} (a family from "
@@ -60,9 +72,13 @@ def source_of(name: str) -> FamilySource:
     return sources()[name]
 
 
-@functools.cache
 def get_family(name: str) -> TaskFamily:
     """The family registered under `name`, instantiated once."""
+    return _registered[name] if name in _registered else _load_family(name)
+
+
+@functools.cache
+def _load_family(name: str) -> TaskFamily:
     reference = source_of(name).reference
     module_name, _, attribute = reference.partition(":")
     try:
@@ -83,7 +99,7 @@ def get_family(name: str) -> TaskFamily:
 def reset() -> None:
     """Forget what was found, so families on a path added since are seen (a plan's task packages)."""
     _entry_points.cache_clear()
-    get_family.cache_clear()
+    _load_family.cache_clear()
 
 
 def families() -> dict[str, TaskFamily]:

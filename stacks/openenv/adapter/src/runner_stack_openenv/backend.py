@@ -10,13 +10,14 @@ under uvicorn in a subprocess we start, on a 127.0.0.1 socket we bind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 import time
 from typing import Any
 
-from qualification.tasks import TaskItem, get_family, opening_messages
-from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
+from qualification.tasks import NativeFamily, TaskItem, get_family, opening_messages
+from runner_contracts import EpisodeResult, EpisodeSpec, NativeAsset, ToolCallRecord
 from runner_kit.policy import openai_tools, tool_call_arguments
 from runner_kit.processes import SocketServer
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, ServerBackend
@@ -34,39 +35,67 @@ def _env_client() -> Any:
     return _CLIENT
 
 
-def _connection_errors() -> tuple[type[BaseException], ...]:
-    """What a dead or unreachable environment server raises through EnvClient."""
+def _guarded(url: str):
+    """on_env(what, call): the call, with what a dead or unreachable server raises through EnvClient turned
+    into EnvironmentDown (the scaffold restarts the server and retries the episode)."""
     from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-    return (ConnectionError, ConnectionClosed, InvalidHandshake, TimeoutError, OSError)
+    errors = (ConnectionError, ConnectionClosed, InvalidHandshake, TimeoutError, OSError)
+
+    def on_env(what: str, call):
+        try:
+            return call()
+        except errors as error:
+            raise EnvironmentDown(f"OpenEnv {what} on {url}: {type(error).__name__}: {error}") from error
+
+    return on_env
 
 
 class EnvServer(SocketServer):
-    """The uvicorn subprocess serving the OpenEnv app, on a socket bound here to 127.0.0.1."""
+    """The uvicorn subprocess serving the OpenEnv app, on a socket bound here to 127.0.0.1: our task
+    environment, or a team's native MCP environment."""
 
     name = "OpenEnv server"
 
-    def __init__(self, max_sessions: int = 256, ready_timeout_s: float = 60.0):
+    def __init__(self, max_sessions: int = 256, ready_timeout_s: float = 60.0, native: NativeAsset | None = None):
         super().__init__(ready_timeout_s)
         self.max_sessions = max_sessions
+        self.native = native
+        if native is not None:
+            self.name = f"OpenEnv server of {native.env}"
         self.env = {**os.environ, "ENABLE_WEB_INTERFACE": "false"}  # create_app would otherwise mount gradio at /web
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "runner_stack_openenv.server", "--max-sessions", str(self.max_sessions)]
+        native = ["--native-env", self.native.env, "--native-kwargs", json.dumps(self.native.kwargs)] \
+            if self.native is not None else []
+        return [sys.executable, "-m", "runner_stack_openenv.server", "--max-sessions", str(self.max_sessions), *native]
 
 
 class OpenEnvBackend(ServerBackend):
     stack = "openenv"
     upstream_name = "openenv"
     capabilities = ["multi-turn-tools", "stateful-tools", "concurrent-episodes", "environment-restart", "cpu",
-                    "token-capture:policy-server", "episode-id:header"]
+                    "token-capture:policy-server", "episode-id:header", "native-assets"]
     # Our agent loop makes every model call; the same id goes to OpenEnv's reset(episode_id=...).
     episode_id_channel = "header X-Episode-ID"
 
-    def __init__(self, max_sessions: int = 256, policy_timeout_s: float = 300.0):
+    def __init__(self, max_sessions: int = 256, policy_timeout_s: float = 300.0, native: NativeAsset | None = None):
         super().__init__()
-        self.server = EnvServer(max_sessions=max_sessions)
+        self.native = native
+        self.server = EnvServer(max_sessions=max_sessions)  # the task families (a native plan's retention probe)
+        # A team's MCP environment gets a server of its own; the crash test kills both.
+        self.native_server = EnvServer(max_sessions=max_sessions, native=native) if native is not None else None
         self.policy_timeout_s = policy_timeout_s
+
+    def servers(self) -> list[EnvServer]:
+        return [self.server, *([self.native_server] if self.native_server is not None else [])]
+
+    def start(self) -> None:
+        if self.native is not None:  # the cause in one line here, not a server that never becomes ready
+            from .server import native_environment_class
+
+            native_environment_class(self.native.env)
+        super().start()
 
     def bench_step_latency(self, steps: int) -> dict[str, list[float]]:
         """One calc-tool tool step, timed through upstream's GenericEnvClient and through our TaskEnvClient,
@@ -107,18 +136,13 @@ class OpenEnvBackend(ServerBackend):
         started = time.monotonic()
         item = TaskItem.from_json(episode.item)
         family = get_family(episode.family)
+        if isinstance(family, NativeFamily):
+            return self._native_episode(episode, item, family, policy, started)
         tools = openai_tools(family)
         messages = opening_messages(family, item)
         url = self.running_url()
         env = _env_client()(base_url=url, connect_timeout_s=10.0, message_timeout_s=60.0).sync()
-        errors = _connection_errors()
-
-        def on_env(what: str, call):
-            try:
-                return call()
-            except errors as error:
-                raise EnvironmentDown(f"OpenEnv {what} on {url}: {type(error).__name__}: {error}") from error
-
+        on_env = _guarded(url)
         try:
             on_env("connect", env.connect)
             on_env("reset", lambda: env.reset(episode_id=episode.episode_id, item=episode.item, seed=episode.seed))
@@ -155,3 +179,132 @@ class OpenEnvBackend(ServerBackend):
                         for c in state.tool_calls],
             seconds=round(time.monotonic() - started, 3),
         )
+
+    # --- a team's own MCP environment ---------------------------------------------------------------------
+
+    def _native_episode(self, episode: EpisodeSpec, item: TaskItem, family: NativeFamily, policy: PolicyEndpoint,
+                        started: float) -> EpisodeResult:
+        """A team's MCPEnvironment, driven as OpenEnv's MCP tutorial drives one for training: over one WebSocket
+        session, reset(episode_id, seed, **the row's other fields), list_tools, then per policy turn each tool
+        call as step(CallToolAction); a reply without a tool call goes to the asset's answer tool, if it names
+        one. The episode ends when a step says done (its reward is the sum of the steps'), or at max_turns."""
+        from .client import NativeEnvClient
+
+        native = family.native
+        url = self.running_url(self.native_server)
+        row = dict(item.reference.get("row") or {})
+        prompt = row.pop("prompt", None)
+        for field in ("id", "split"):
+            row.pop(field, None)
+        env = NativeEnvClient(base_url=url, connect_timeout_s=10.0, message_timeout_s=60.0).sync()
+        on_env = _guarded(url)
+        reward, done, turns, finish, final_text, calls = 0.0, False, 0, "", "", []
+
+        def step(action: dict[str, Any]) -> Any:
+            nonlocal reward, done
+            result = on_env("step", lambda: env.step(action))
+            reward += float(result.reward or 0.0)
+            done = result.done
+            return result
+
+        try:
+            on_env("connect", env.connect)
+            first = on_env("reset", lambda: env.reset(episode_id=episode.episode_id,
+                                                      seed=int(item.reference.get("seed", episode.seed)), **row))
+            listed = on_env("list_tools", lambda: env.step({"type": "list_tools"})).observation.get("tools") or []
+            answer = _answer_argument(listed, native.answer_tool)
+            tools = [_openai_tool(tool) for tool in listed if tool["name"] != native.answer_tool] or None
+            messages = opening_messages_of(prompt, task_text(first.observation))
+            while turns < episode.max_turns and not done:
+                message, finish = policy.chat(episode.episode_id, messages, tools, timeout_s=self.policy_timeout_s)
+                turns += 1
+                text, tool_calls = message.get("content") or "", message.get("tool_calls") or []
+                if not tool_calls:
+                    final_text = text
+                    if answer is not None:
+                        step({"type": "call_tool", "tool_name": native.answer_tool, "arguments": {answer: text}})
+                    break
+                messages.append({"role": "assistant", "content": text, "tool_calls": tool_calls})
+                for call in tool_calls:
+                    name, arguments = tool_call_arguments(call)
+                    result = step({"type": "call_tool", "tool_name": name, "arguments": arguments})
+                    output = tool_output(result.observation)
+                    calls.append(ToolCallRecord(name=name, arguments=arguments, result=output))
+                    messages.append({"role": "tool", "tool_call_id": call.get("id", ""), "name": name, "content": output})
+                    if done:
+                        break
+            if not done and turns >= episode.max_turns and finish != "length":
+                finish = "max_turns"
+        finally:
+            with contextlib.suppress(Exception):
+                env.close()
+        success = family.solved(reward)
+        truncated = not done and finish in ("length", "max_turns") and not success
+        return EpisodeResult(
+            episode_id=episode.episode_id, task_id=episode.task_id, status="completed", reward=reward,
+            success=success, outcome="truncated" if truncated else ("success" if success else "failure"),
+            finish_reason=finish, turns=turns, final_text=final_text, tool_calls=calls,
+            seconds=round(time.monotonic() - started, 3))
+
+
+def task_text(observation: dict[str, Any]) -> str:
+    """The task an MCP environment states on reset. OpenEnv has no standard field: its own environments put
+    it in metadata["question"] (finqa_env) or a `question` field (reasoning_gym_env); `prompt` is also read."""
+    metadata = observation.get("metadata") or {}
+    for value in (observation.get("question"), observation.get("prompt"), metadata.get("question"), metadata.get("prompt")):
+        if isinstance(value, str) and value.strip():
+            return value
+    return ""
+
+
+def opening_messages_of(prompt: Any, text: str) -> list[dict[str, Any]]:
+    """The row's prompt (messages or a string) with reset's task text appended to its last user message, as
+    TRL's environment_factory does with what reset returns; a new user message when the last is not one."""
+    messages = [dict(m) for m in prompt] if isinstance(prompt, list) else (
+        [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [])
+    if text:
+        if messages and messages[-1].get("role") == "user":
+            messages[-1]["content"] = (messages[-1].get("content") or "") + text
+        else:
+            messages.append({"role": "user", "content": text})
+    if not messages:
+        raise ValueError("native asset: neither the dataset row (prompt) nor reset's observation (question or "
+                         "prompt, or the same in its metadata) states the task")
+    return messages
+
+
+def _openai_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    schema = {key: value for key, value in (tool.get("input_schema") or {}).items() if key != "additionalProperties"}
+    return {"type": "function", "function": {"name": tool["name"], "description": tool.get("description") or "",
+                                             "parameters": schema or {"type": "object", "properties": {}}}}
+
+
+def _answer_argument(tools: list[dict[str, Any]], answer_tool: str | None) -> str | None:
+    """The one argument the answer tool takes (its text is submitted as it), or None without an answer tool."""
+    if answer_tool is None:
+        return None
+    tool = next((t for t in tools if t["name"] == answer_tool), None)
+    if tool is None:
+        raise ValueError(f"native asset: answer_tool {answer_tool!r} is not one of its tools "
+                         f"({', '.join(t['name'] for t in tools) or 'none'})")
+    schema = tool.get("input_schema") or {}
+    names = list(schema.get("required") or schema.get("properties") or [])
+    if len(names) != 1:
+        raise ValueError(f"native asset: answer_tool {answer_tool!r} must take one argument, the answer; it takes "
+                         f"{names}")
+    return names[0]
+
+
+def tool_output(observation: dict[str, Any]) -> str:
+    """A CallToolObservation as the text the policy reads: the error's message, else the result's data (or
+    its text content)."""
+    error = observation.get("error")
+    if error:
+        return f"Error: {error.get('message', error)}" if isinstance(error, dict) else f"Error: {error}"
+    result = observation.get("result")
+    if isinstance(result, dict):
+        if result.get("data") is not None:
+            data = result["data"]
+            return data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+        return "".join(part.get("text", "") for part in result.get("content") or [] if isinstance(part, dict))
+    return "" if result is None else str(result)

@@ -9,4 +9,4 @@ from .backend import OpenEnvBackend
 
 
 def run(request: StageRequest) -> StageResult:
-    return adapter_main(OpenEnvBackend(), request)
+    return adapter_main(OpenEnvBackend(native=request.plan.task.native), request)

@@ -9,4 +9,4 @@ from .backend import SkyRLGymBackend
 
 
 def run(request: StageRequest) -> StageResult:
-    return adapter_main(SkyRLGymBackend(), request)
+    return adapter_main(SkyRLGymBackend(native=request.plan.task.native), request)

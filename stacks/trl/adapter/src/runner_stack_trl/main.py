@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from qualification.tasks import TaskItem, get_family
+from qualification.tasks import TaskItem, get_family, use_plan
 from runner_contracts import (
     EvalRecord,
     JsonlWriter,
@@ -27,6 +27,7 @@ CAPABILITIES = ["grpo", "sft", "multi-turn-tools", "resume", "cpu", "token-captu
 
 
 def run(request: StageRequest) -> StageResult:
+    use_plan(request.plan)  # a plan's native task (an environment stack's asset) is a family in this process
     if request.options.get("rollout_service") and request.stage in ("rollout", "update", "train", "evaluate"):
         from . import (
             bridge,  # an environment-stack arm: episodes run in that stack's rollout service
