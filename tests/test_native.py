@@ -66,7 +66,7 @@ def test_an_edited_asset_is_another_plan(asset):
 
 @pytest.mark.parametrize(("breakage", "message"), [
     (lambda data: data[:3] + [data[3] | {"prompt": ""}] + data[4:], "rechnen.jsonl:4: field prompt: empty"),
-    (lambda data: data + [data[0]], "rechnen.jsonl:161: field id:"),
+    (lambda data: data + [data[0]], "rechnen.jsonl:201: field id:"),
     (lambda data: data[:1] + [{**data[1], "prompt": 7}] + data[2:], "rechnen.jsonl:2: field prompt: expected a string or a list"),
     (lambda data: data[:5] + [{**data[5], "split": "test"}] + data[6:], "rechnen.jsonl:6: field split: expected train or heldout"),
     (lambda data: data[:2] + [{**data[0], "id": "again", "split": "heldout" if data[0].get("split") != "heldout"
@@ -107,7 +107,7 @@ def test_a_broken_answer_key_is_one_line(asset, case, message):
 
 @pytest.mark.parametrize(("old", "new", "message"), [
     ("stack: skyrl-gym", "stack: verifiers", "the verifiers stack does not run a team's native asset; stacks that "
-                                             "do: openenv, skyrl-gym"),
+                                             "do: lightning-verl, nemo-gym, openenv, skyrl-gym"),
     ("stack: skyrl-gym", "stack: skyrl", "field task.native.stack: unknown stack 'skyrl'"),
     ("package: .", "package: ./nowhere", "field task.native.package:"),
     ("dataset: data/rechnen.jsonl", "dataset: data/missing.jsonl", "field task.native.dataset:"),
@@ -115,7 +115,7 @@ def test_a_broken_answer_key_is_one_line(asset, case, message):
                                                                      "no retention split"),
     ("tiny: {seed: 0}", "tiny: {seed: 0, families: [calc-tool, rechnen]}", "rechnen is a native asset's task, "
                                                                             "which has no demonstrations"),
-    ("train: {split: train, n: 64", "train: {split: train, n: 400", "124 rows fall in split 'train', the plan asks for 400"),
+    ("train: {split: train, n: 64", "train: {split: train, n: 400", "rows fall in split 'train', the plan asks for 400"),
 ])
 def test_a_broken_native_plan_is_one_line(asset, old, new, message):
     plan = asset / "plan.yaml"

@@ -76,7 +76,7 @@ class NativeFamily:
 
     def messages_for(self, item: TaskItem) -> list[dict[str, Any]]:
         """The opening conversation: a row's own prompt (a message list or a string), else the item's text."""
-        prompt = item.reference.get("row", {}).get("prompt")
+        prompt = prompt_of(item.reference.get("row", {}))
         if isinstance(prompt, list):
             return [dict(message) for message in prompt]
         return [{"role": "user", "content": prompt if isinstance(prompt, str) else item.question}]
@@ -122,10 +122,19 @@ class NativeFamily:
                           "families (policy.tiny.families)")
 
 
+def prompt_of(row: dict[str, Any]) -> Any:
+    """A row's opening prompt: its `prompt` (SkyRL, TRL), or the `input` of its `responses_create_params`
+    (NeMo Gym's rows, a string or messages)."""
+    if "prompt" in row:
+        return row["prompt"]
+    params = row.get("responses_create_params")
+    return params.get("input") if isinstance(params, dict) else None
+
+
 def question_of(row: dict[str, Any]) -> str:
     """The text a row asks: its prompt's last user message, its prompt string, its `question` field (a
     column an environment's reset reads), or the row as JSON."""
-    prompt = row.get("prompt")
+    prompt = prompt_of(row)
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list):
@@ -187,8 +196,9 @@ def _read_dataset(path: Path) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     seen: dict[str, int] = {}
     questions: dict[str, tuple[str, int]] = {}
     for number, row in _json_lines(path):
-        if "prompt" in row and not isinstance(row["prompt"], (str, list)):
-            raise FamilyError(f"{path}:{number}: field prompt: expected a string or a list of messages")
+        if prompt_of(row) is not None and not isinstance(prompt_of(row), (str, list)):
+            field = "prompt" if "prompt" in row else "responses_create_params.input"
+            raise FamilyError(f"{path}:{number}: field {field}: expected a string or a list of messages")
         if question_of(row).strip() == "":
             raise FamilyError(f"{path}:{number}: field prompt: empty")
         task_id = row_id(row)

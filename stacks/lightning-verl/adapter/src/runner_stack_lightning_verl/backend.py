@@ -39,13 +39,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from qualification.tasks import Score, TaskItem, ToolCall, Transcript, get_family
-from runner_contracts import CapturedCall, EpisodeResult, EpisodeSpec, ToolCallRecord
+from qualification.tasks import NativeFamily, Score, TaskItem, ToolCall, Transcript, get_family
+from runner_contracts import CapturedCall, EpisodeResult, EpisodeSpec, NativeAsset, ToolCallRecord
+from runner_kit.native import load_asset
 from runner_kit.prefork import OPENAI_MODULES, start_prefork
 from runner_kit.processes import ServerProcess, bind_loopback, spawn
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
 TEAM_AGENT = Path(__file__).with_name("team_agent.py")  # run as a program, never imported here
+NATIVE_HARNESS = Path(__file__).with_name("native_harness.py")  # runs a team's own module:function harness
 HARNESS_MODULES = [*OPENAI_MODULES, "qualification.tasks", "runner_kit.policy"]
 ATTEMPT = "0"  # agentlightning.schemas.DEFAULT_ATTEMPT_ID: a retry is a new rollout, as agl-controller runs them
 
@@ -111,11 +113,13 @@ class LightningBackend(RolloutBackend):
     upstream_name = "agentlightning"
     capabilities = ["multi-turn-tools", "stateful-tools", "concurrent-episodes", "environment-restart", "cpu",
                     "reward:reference-scorer", "token-capture:stack-gateway", "unmodified-harness",
-                    "episode-id:path"]
+                    "episode-id:path", "native-assets"]
     episode_id_channel = ("URL prefix /episodes/<id>/v1: agl-server's gateway forwards each rollout to the "
                           "registered policy endpoint under the rollout's episode id (metadata.episode_id)")
 
-    def __init__(self, harness_timeout_s: float = 600.0):
+    def __init__(self, harness_timeout_s: float = 600.0, native: NativeAsset | None = None):
+        self.native = native  # a team's own harness (module:function) instead of team_agent.py
+        self.program = NATIVE_HARNESS if native is not None else TEAM_AGENT
         self.gateway = Gateway()
         self.harness_timeout_s = harness_timeout_s
         self._lock = threading.Lock()  # the gateway process and its configuration
@@ -128,9 +132,11 @@ class LightningBackend(RolloutBackend):
 
     def start(self) -> None:
         with self._lock:
+            if self.native is not None:
+                check_native_harness(self.native.env)
             if self._prefork is None:
-                self._prefork = start_prefork(Path(tempfile.mkdtemp(prefix="agl-harness-")), TEAM_AGENT,
-                                              HARNESS_MODULES)
+                warm = [*OPENAI_MODULES, self.native.env.partition(":")[0]] if self.native else HARNESS_MODULES
+                self._prefork = start_prefork(Path(tempfile.mkdtemp(prefix="agl-harness-")), self.program, warm)
             if not self.gateway.alive():
                 self.gateway.start()
             self._down = False
@@ -226,6 +232,8 @@ class LightningBackend(RolloutBackend):
         task = {"family": episode.family, "item": episode.item, "max_turns": episode.max_turns}
         transcript, score = self.run_rollout(gateway, rollout_id, task, policy.model)
         events = gateway.api("GET", f"/api/rollouts/{rollout_id}/events?event_type=model_request&format=triplet")
+        if transcript["turns"] is None:  # a team's own harness: its calls are what the gateway saw
+            transcript["turns"] = len(events)
         captured = _captured_calls(events, transcript["turns"])
         gateway.api("DELETE", f"/api/rollouts/{rollout_id}")  # read out: keep the in-memory store small
         finish = transcript["finish_reason"]
@@ -244,19 +252,29 @@ class LightningBackend(RolloutBackend):
         score as the rollout's `reward` event and marks it succeeded. A failure marks it failed (with the
         reason) and raises: EnvironmentDown when the harness was killed or the gateway is gone."""
         self._patch(gateway, rollout_id, state="running", last_attempt_id=ATTEMPT)
+        family = get_family(task["family"])
+        native = isinstance(family, NativeFamily)
         try:
-            transcript = self._run_harness(gateway, rollout_id, task, model)
-            family = get_family(task["family"])
-            calls = [ToolCall(c["name"], c["arguments"], c["result"]) for c in transcript["tool_calls"]]
-            score = family.score(TaskItem.from_json(task["item"]),
-                                 Transcript(final_text=transcript["final_text"], tool_calls=calls))
+            if native:  # its own reward: the harness returns it
+                row = TaskItem.from_json(task["item"]).reference.get("row", {})
+                returned = self._run_harness(gateway, rollout_id, {"harness": family.native.env, "row": row}, model)
+                solved = family.solved(returned["reward"])
+                score = Score(reward=returned["reward"], success=solved, components={},
+                              outcome="success" if solved else "failure")
+                transcript = {"final_text": returned["final_text"], "tool_calls": [], "turns": None,
+                              "finish_reason": "stop"}
+            else:
+                transcript = self._run_harness(gateway, rollout_id, task, model)
+                calls = [ToolCall(c["name"], c["arguments"], c["result"]) for c in transcript["tool_calls"]]
+                score = family.score(TaskItem.from_json(task["item"]),
+                                     Transcript(final_text=transcript["final_text"], tool_calls=calls))
         except Exception as error:
             self.mark_failed(gateway, rollout_id, str(error) if isinstance(error, EnvironmentDown)
                               else f"{type(error).__name__}: {error}")
             raise
         gateway.api("POST", f"/api/rollouts/{rollout_id}/attempt/{ATTEMPT}/events", {
             "event_type": "reward", "data": {
-                "value": score.reward, "source": "reference-scorer", "reason": score.outcome,
+                "value": score.reward, "source": "harness" if native else "reference-scorer", "reason": score.outcome,
                 "success": score.success, "components": dict(score.components),
                 "outcome": outcome_of(score, transcript["finish_reason"]),
                 "finish_reason": transcript["finish_reason"], "turns": transcript["turns"]}})
@@ -268,7 +286,7 @@ class LightningBackend(RolloutBackend):
                "OPENAI_BASE_URL": f"{gateway.url}/proxy/rollout/{rollout_id}/attempt/{ATTEMPT}/mode/train/openai/v1",
                "OPENAI_API_KEY": gateway.key, "OPENAI_MODEL": model}
         interpreter = str(self._prefork[1]) if self._prefork else sys.executable
-        process = subprocess.Popen([interpreter, str(TEAM_AGENT)], env=env,
+        process = subprocess.Popen([interpreter, str(self.program)], env=env,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, start_new_session=True)
         with self._harness_lock:
@@ -301,6 +319,12 @@ class LightningBackend(RolloutBackend):
             self._patch(gateway, rollout_id, state="failed", error_message=message[:500])
         except (EnvironmentDown, StoreError):
             pass
+
+
+def check_native_harness(reference: str) -> None:
+    """The team's harness imports and is callable, or the stage fails here with the cause in one line."""
+    if not callable(load_asset(reference, "function")):
+        raise RuntimeError(f"native asset: {reference} is not callable")
 
 
 def outcome_of(score: Score, finish_reason: str) -> str:

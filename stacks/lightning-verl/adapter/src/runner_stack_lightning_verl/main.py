@@ -14,4 +14,4 @@ def run(request: StageRequest) -> StageResult:
         from .verl_stage import run_verl_stage
 
         return run_verl_stage(request)
-    return adapter_main(LightningBackend(), request)
+    return adapter_main(LightningBackend(native=request.plan.task.native), request)

@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qualification.tasks import TaskItem, get_family, opening_messages
-from runner_contracts import EpisodeResult, EpisodeSpec, ToolCallRecord
+from qualification.tasks import NativeFamily, TaskItem, get_family, opening_messages
+from runner_contracts import EpisodeResult, EpisodeSpec, NativeAsset, ToolCallRecord
+from runner_kit.native import load_asset
 from runner_kit.policy import openai_tools
 from runner_kit.processes import HOST, free_port, spawn
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
@@ -63,6 +64,7 @@ class Server:
     port: int = field(default_factory=free_port)
     process: subprocess.Popen | None = None
     generation: int = 0  # bumped on every (re)start
+    server_class: str | None = None  # a team's own resources server (module:Class) instead of ours
 
     def entry(self) -> dict[str, Any]:
         return {self.server_type: {self.impl: {"entrypoint": "app.py", "host": HOST, "port": self.port,
@@ -76,13 +78,14 @@ class NemoGymBackend(RolloutBackend):
     stack = "nemo-gym"
     upstream_name = "nemo-gym"
     capabilities = ["multi-turn-tools", "cpu", "reward:reference-scorer", "environment-restart",
-                    "episode-id:metadata", "episode-id:header"]
+                    "episode-id:metadata", "episode-id:header", "native-assets"]
     # The /run request's responses_create_params.metadata reaches the policy as body metadata (stock
     # vllm_model forwards it); the EpisodeVLLMModel subclass adds the header from it.
     episode_id_channel = "body metadata.episode_id + header X-Episode-ID"
 
-    def __init__(self, families: Iterable[str] = ()) -> None:
+    def __init__(self, families: Iterable[str] = (), native: NativeAsset | None = None) -> None:
         self.families = sorted(set(families))  # resources servers start() brings up; others start on first use
+        self.native = native  # a team's resources server, serving the plan's native task
         self._lock = threading.RLock()  # the server table
         self._start_locks: dict[str, threading.Lock] = {}
         self._servers: dict[str, Server] = {}
@@ -95,6 +98,8 @@ class NemoGymBackend(RolloutBackend):
         """Starts the resources servers of `families` and waits until they answer. The model server and
         the agents depend on the policy endpoint and max_turns, so they start with the first episode that
         needs them, as does the resources server of a family not named here."""
+        if self.native is not None:
+            check_native_server(self.native.env)
         with self._lock:
             if self._workdir is None:
                 self._workdir = Path(tempfile.mkdtemp(prefix="nemo-gym-"))
@@ -193,7 +198,8 @@ class NemoGymBackend(RolloutBackend):
         env["NEMO_GYM_CONFIG_DICT"] = json.dumps(self._config_for(*peers))
         env["NEMO_GYM_CONFIG_PATH"] = server.name
         with open(self._workdir / f"{server.name}.log", "ab") as log:
-            process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind],
+            process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind,
+                             *([server.server_class] if server.server_class else [])],
                             cwd=self._workdir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         with self._lock:
             server.process = process
@@ -233,6 +239,10 @@ class NemoGymBackend(RolloutBackend):
 
     def _resources_server(self, family: str) -> Server:
         name = f"runner_resources_{family.replace('-', '_')}"
+        if self.native is not None and isinstance(get_family(family), NativeFamily):
+            module = self.native.env.partition(":")[0]
+            return self._server(name, lambda: Server(name, "resources", "resources_servers", module.rpartition(".")[2],
+                                                     dict(self.native.kwargs), server_class=self.native.env))
         return self._server(name, lambda: Server(name, "resources", "resources_servers", "runner_family",
                                                  {"family": family}))
 
@@ -266,13 +276,23 @@ class NemoGymBackend(RolloutBackend):
     # --- episodes ------------------------------------------------------------------------------------
 
     def run_request(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> dict[str, Any]:
-        """The simple_agent /run body for one episode."""
+        """The simple_agent /run body for one episode: for a native asset, its dataset row as NeMo Gym's
+        rollout collection sends it (the row's responses_create_params with our sampling and the episode's id
+        added; its other fields, the verifier's, as they are)."""
         family = get_family(episode.family)
         item = TaskItem.from_json(episode.item)
         sampling = policy.sampling
         extra_body: dict[str, Any] = {"seed": episode.seed}
         if sampling.top_k > 0:
             extra_body["top_k"] = sampling.top_k
+        if isinstance(family, NativeFamily):
+            row = dict(item.reference["row"])
+            params = {**row.pop("responses_create_params"), "model": policy.model, "temperature": sampling.temperature,
+                      "top_p": sampling.top_p, "max_output_tokens": sampling.max_new_tokens,
+                      "metadata": {"episode_id": episode.episode_id, "extra_body": json.dumps(extra_body)}}
+            for field in ("id", "split"):
+                row.pop(field, None)
+            return {**row, "responses_create_params": params, "_ng_rollout_id": f"runner-{uuid.uuid4().hex}"}
         params: dict[str, Any] = {
             "input": opening_messages(family, item),
             "model": policy.model,
@@ -319,6 +339,9 @@ class NemoGymBackend(RolloutBackend):
         body = json.loads(text)
         if body.get("mask_sample"):
             raise RuntimeError(f"verify flagged the episode: {body.get('failure_reason')}")
+        family = get_family(episode.family)
+        if isinstance(family, NativeFamily):
+            return native_result(episode, family, body, started)
         return EpisodeResult(
             episode_id=episode.episode_id, task_id=episode.task_id, status="completed",
             reward=float(body["reward"]), reward_components={k: float(v) for k, v in body["reward_components"].items()},
@@ -328,6 +351,34 @@ class NemoGymBackend(RolloutBackend):
                         for c in body["tool_calls"]],
             seconds=round(time.monotonic() - started, 3),
         )
+
+
+def native_result(episode: EpisodeSpec, family: NativeFamily, body: dict[str, Any], started: float) -> EpisodeResult:
+    """A team's verify response as an episode: its reward as it is; turns, final text and tool calls read
+    from the Responses output the way our own resources server reads them."""
+    from .servers import transcript_from_output
+
+    response = body.get("response") or {}
+    seen = transcript_from_output(response.get("output") or [])
+    finish = "length" if response.get("incomplete_details") else ("max_turns" if seen["ended_on_tool_call"] else "stop")
+    reward = float(body["reward"])
+    success = family.solved(reward)
+    return EpisodeResult(
+        episode_id=episode.episode_id, task_id=episode.task_id, status="completed", reward=reward,
+        success=success, outcome="success" if success else ("truncated" if finish != "stop" else "failure"),
+        finish_reason=finish, turns=seen["turns"], final_text=seen["final_text"],
+        tool_calls=[ToolCallRecord(name=c["name"], arguments=c["arguments"], result=str(c["result"]))
+                    for c in seen["tool_calls"]],
+        seconds=round(time.monotonic() - started, 3))
+
+
+def check_native_server(reference: str) -> None:
+    """The team's resources server imports and is a SimpleResourcesServer, or the stage fails here in one line."""
+    from nemo_gym.base_resources_server import SimpleResourcesServer
+
+    cls = load_asset(reference, "Class")
+    if not (isinstance(cls, type) and issubclass(cls, SimpleResourcesServer)):
+        raise RuntimeError(f"native asset: {reference} is not a nemo_gym SimpleResourcesServer subclass")
 
 
 def _post_watched(port: int, path: str, payload: dict[str, Any], problem: Any, timeout_s: float) -> tuple[int, bytes]:

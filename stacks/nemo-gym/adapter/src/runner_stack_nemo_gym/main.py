@@ -11,4 +11,4 @@ from .backend import NemoGymBackend
 def run(request: StageRequest) -> StageResult:
     task = request.plan.task
     families = {task.family} | {split.family for split in (task.train, task.heldout, task.retention) if split.family}
-    return adapter_main(NemoGymBackend(families), request)
+    return adapter_main(NemoGymBackend(families, native=task.native), request)

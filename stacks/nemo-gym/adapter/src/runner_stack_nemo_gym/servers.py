@@ -228,8 +228,12 @@ class EpisodeVLLMModel(VLLMModel):
         return client.model_copy(update={"default_headers": {**client.default_headers, EPISODE_HEADER: episode}})
 
 
-def main(kind: str) -> None:
-    if kind == "resources":
+def main(kind: str, server_class: str | None = None) -> None:
+    if kind == "resources" and server_class:  # a team's own resources server (module:Class), as it is
+        from runner_kit.native import load_asset
+
+        load_asset(server_class, "Class").run_webserver()
+    elif kind == "resources":
         FamilyResourcesServer.run_webserver()
     elif kind == "model":
         EpisodeVLLMModel.run_webserver()
@@ -242,4 +246,4 @@ def main(kind: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

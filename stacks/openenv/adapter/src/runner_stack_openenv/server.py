@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import socket
 
 from openenv.core.env_server.http_server import create_app
+from runner_kit.native import load_asset
 
 from .environment import TaskEnvironment
 from .models import TaskAction, TaskObservation, TaskState
@@ -42,13 +42,7 @@ def native_environment_class(reference: str) -> type:
     """The team's environment class, or one line saying why it cannot be served."""
     from openenv.core.env_server.mcp_environment import MCPEnvironment
 
-    module_name, _, attribute = reference.partition(":")
-    if not module_name or not attribute:
-        raise RuntimeError(f"native asset: env {reference!r} is not module:Class")
-    try:
-        cls = getattr(importlib.import_module(module_name), attribute)
-    except Exception as error:
-        raise RuntimeError(f"native asset: importing {reference} failed: {type(error).__name__}: {error}") from None
+    cls = load_asset(reference, "Class")
     if not (isinstance(cls, type) and issubclass(cls, MCPEnvironment)):
         raise RuntimeError(f"native asset: {reference} is not an openenv MCPEnvironment subclass; the openenv arm "
                            "drives tool environments (tools declared with FastMCP's @mcp.tool, answers scored in step)")

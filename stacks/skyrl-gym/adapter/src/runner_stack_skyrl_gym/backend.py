@@ -12,13 +12,13 @@ keeps the assistant message as the server returned it (the server's prefix conti
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from typing import Any
 
 from qualification.tasks import NativeFamily, TaskItem, get_family, opening_messages
 from runner_contracts import EpisodeResult, EpisodeSpec, NativeAsset, ToolCallRecord
+from runner_kit.native import import_asset_module
 from runner_kit.policy import tool_call_arguments
 from runner_kit.processes import SocketServer
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, ServerBackend, post_to_environment
@@ -149,11 +149,7 @@ def check_native_env(native: NativeAsset) -> None:
     import skyrl_gym
 
     if native.module:
-        try:
-            importlib.import_module(native.module)
-        except Exception as error:
-            raise RuntimeError(f"native asset: importing {native.module} failed: {type(error).__name__}: "
-                               f"{error}") from None
+        import_asset_module(native.module)
     if native.env not in skyrl_gym.registry:
         raise RuntimeError(f"native asset: skyrl-gym has no env {native.env!r} registered"
                            + (f" after importing {native.module}" if native.module else

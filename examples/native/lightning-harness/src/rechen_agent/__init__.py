@@ -1,0 +1,1 @@
+"""A word-problem agent written against the OpenAI SDK only."""

@@ -1,0 +1,1 @@
+"""A calculator resources server for NeMo Gym."""

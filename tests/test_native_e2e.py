@@ -1,0 +1,184 @@
+"""A team's own environment, qualified as it is, through `runner qualify` on the real stacks (CPU, tiny
+policy): a SkyRL Gym env (skyrl-gym==0.4.0) over every stage, an OpenEnv MCP environment (openenv==0.10.0)
+over every stage, and a NeMo Gym resources server (nemo-gym==0.7.0) and an OpenAI-SDK harness behind Agent
+Lightning 1.0.2's gateway on the stages that run them natively (probe, service); then broken assets of each kind, each refused on one line with its stage's
+files kept.
+
+Slow: each stack's environment and the tiny policy are built once per cache (shared with the rest of the
+suite); the two full arms take ~4 min each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples" / "native"
+RUNNER = str(Path(sys.executable).parent / "runner")
+ALL_STAGES = ["probe", "service", "rollout", "update", "resume", "train", "evaluate"]
+
+pytestmark = pytest.mark.slow
+
+
+def qualify(stack: str, plan: Path, run_dir: Path, *stages: str) -> tuple[subprocess.CompletedProcess, dict]:
+    args = [RUNNER, "qualify", "--stack", stack, "--plan", str(plan), "--run-dir", str(run_dir), "--json"]
+    if stages:
+        args += ["--stages", ",".join(stages)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=1800, env={**os.environ, "COLUMNS": "400"})
+    assert "Traceback" not in result.stdout + result.stderr
+    return result, json.loads((run_dir / "summary.json").read_text())
+
+
+def evidence(run_dir: Path, stage: str) -> dict:
+    return json.loads((run_dir / "stages" / stage / "evidence.json").read_text())
+
+
+def gates(run_dir: Path, stage: str) -> dict[str, dict]:
+    return {gate["name"]: gate for gate in evidence(run_dir, stage)["gates"]}
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def full_run(stack: str, example: str, folder: Path) -> Path:
+    run_dir = folder / stack
+    result, summary = qualify(stack, EXAMPLES / example / "plan.yaml", run_dir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def skyrl_run(tmp_path_factory) -> Path:
+    return full_run("skyrl-gym", "skyrl-rechnen", tmp_path_factory.mktemp("native"))
+
+
+@pytest.fixture(scope="module")
+def openenv_run(tmp_path_factory) -> Path:
+    return full_run("openenv", "openenv-rechner", tmp_path_factory.mktemp("native"))
+
+
+@pytest.mark.parametrize("arm", ["skyrl_run", "openenv_run"])
+def test_a_native_asset_passes_every_gate_of_every_stage(arm, request):
+    run_dir = request.getfixturevalue(arm)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stages"] == {stage: "passed" for stage in ALL_STAGES}
+    service = gates(run_dir, "service")
+    assert "as its answer key says (reward from the environment's own reward; no reference scorer)" in \
+        service["service:reward-equals-reference"]["detail"]
+    assert "no reference scorer" in service["tasks:scorer-pinned"]["detail"]
+    rollout = gates(run_dir, "rollout")
+    for name in ("calls:attributed", "calls:policy-tokens-captured", "recovery:fault-injected",
+                 "recovery:environment-restarted", "recovery:no-episode-lost"):
+        assert rollout[name]["passed"], rollout[name]
+    verified = gates(run_dir, "evaluate")["evaluate:scores-verified"]
+    assert verified["passed"] and "episodes of the native asset checked against its own reward" in verified["detail"]
+
+
+def test_the_skyrl_env_steps_on_the_policys_text_and_its_feedback_is_not_trained(skyrl_run):
+    """A wrong answer gets the env's feedback as a user turn and another policy turn: those feedback tokens
+    sit between two policy segments with loss mask 0, and the episode's reward is the env's own."""
+    episodes = lines(skyrl_run / "stages" / "rollout" / "trajectories.jsonl")
+    assert {e["task_id"] for e in episodes} and all(e["reward"] in (0.0, 1.0) for e in episodes)
+    multi = [e for e in episodes if sum(s["source"] == "policy" for s in e["segments"]) > 1]
+    assert multi, "no episode got the env's feedback and a second turn"
+    feedback = [s for s in multi[0]["segments"][1:-1] if s["source"] != "policy"]
+    assert feedback and any("Versuche" in s["text"] or "Antworte" in s["text"] for s in feedback)
+    rows = {row["episode_ids"][0]: row for row in lines(skyrl_run / "stages" / "rollout" / "training.jsonl")}
+    row = rows[multi[0]["episode_id"]]
+    policy_tokens = sum(len(s["token_ids"]) for s in multi[0]["segments"] if s["source"] == "policy")
+    assert sum(row["loss_mask"]) == policy_tokens
+
+
+def test_the_openenv_tools_and_answer_tool_ran_in_the_teams_environment(openenv_run):
+    cases = {(c["task_id"], c["case"]): c for c in lines(openenv_run / "stages" / "service" / "service.jsonl")}
+    tool_then_answer = next(c for (_, name), c in cases.items() if name == "tool-then-answer")
+    assert tool_then_answer["tool_calls"][0]["name"] == "rechner" and tool_then_answer["tool_calls"][0]["result"] == "2"
+    assert tool_then_answer["stack_reward"] == 1.0
+    assert next(c for (_, name), c in cases.items() if name == "wrong-answer")["stack_reward"] == 0.0
+    # The policy is offered the calculator, not the answer tool (a plain reply goes there).
+    episodes = lines(openenv_run / "stages" / "rollout" / "trajectories.jsonl")
+    prompt = episodes[0]["segments"][0]["text"]
+    assert "rechner" in prompt and "submit_answer" not in prompt
+
+
+def test_a_team_harness_runs_unmodified_behind_the_gateway(tmp_path):
+    run_dir = tmp_path / "lightning"
+    result, summary = qualify("lightning-verl", EXAMPLES / "lightning-harness" / "plan.yaml", run_dir,
+                              "probe", "service")
+    assert result.returncode == 0, result.stdout[-3000:]
+    service = gates(run_dir, "service")
+    assert all(gate["passed"] for gate in service.values()), service
+    calls = lines(run_dir / "stages" / "service" / "service-calls.jsonl")
+    second_try = [c for c in calls if c["episode_id"].endswith("/second-try")]
+    assert len(second_try) == 4  # two rows, two model calls each: the harness's own retry loop
+
+
+def test_a_nemo_gym_resources_server_runs_as_it_is(tmp_path):
+    run_dir = tmp_path / "nemo-gym"
+    result, summary = qualify("nemo-gym", EXAMPLES / "nemo-gym-rechner" / "plan.yaml", run_dir, "probe", "service")
+    assert result.returncode == 0, result.stdout[-3000:]
+    cases = {c["case"]: c for c in lines(run_dir / "stages" / "service" / "service.jsonl")}
+    assert cases["tool-then-answer"]["tool_calls"][0] == {"name": "rechner", "arguments": {"ausdruck": "1 + 1"},
+                                                          "result": "2"}
+    assert cases["tool-then-answer"]["stack_reward"] == 1.0 and cases["tool-call-last"]["stack_reward"] == 0.0
+
+
+def broken_copy(example: str, tmp_path: Path, path: str, old: str, new: str) -> Path:
+    folder = Path(shutil.copytree(EXAMPLES / example, tmp_path / example, ignore=shutil.ignore_patterns("__pycache__")))
+    target = folder / path
+    text = target.read_text()
+    assert old in text
+    target.write_text(text.replace(old, new, 1))
+    return folder / "plan.yaml"
+
+
+@pytest.mark.parametrize(("stack", "example", "path", "old", "new", "message"), [
+    ("skyrl-gym", "skyrl-rechnen", "src/rechnen_env/__init__.py", "from skyrl_gym.envs import register",
+     "from skyrl_gym.envs import register\nimport rechnen_helpers",
+     "native asset: importing rechnen_env failed: ModuleNotFoundError: No module named 'rechnen_helpers'"),
+    ("skyrl-gym", "skyrl-rechnen", "src/rechnen_env/__init__.py", 'register(id="rechnen"', 'register(id="rechnen2"',
+     "native asset: skyrl-gym has no env 'rechnen' registered after importing rechnen_env"),
+    ("openenv", "openenv-rechner", "plan.yaml", "env: rechner_env:RechnerEnvironment", "env: rechner_env:RechnerState",
+     "native asset: rechner_env:RechnerState is not an openenv MCPEnvironment subclass"),
+    ("lightning-verl", "lightning-harness", "plan.yaml", "env: rechen_agent.agent:solve", "env: rechen_agent.agent:solved",
+     "native asset: importing rechen_agent.agent:solved failed: AttributeError"),
+    ("nemo-gym", "nemo-gym-rechner", "plan.yaml", "env: rechner_gym.app:RechnerResourcesServer",
+     "env: rechner_gym.app:RechnerRequest", "native asset: rechner_gym.app:RechnerRequest is not a nemo_gym "
+                                            "SimpleResourcesServer subclass"),
+])
+def test_an_asset_that_cannot_load_fails_its_service_stage_on_one_line(tmp_path, stack, example, path, old, new, message):
+    run_dir = tmp_path / "run"
+    result, summary = qualify(stack, broken_copy(example, tmp_path, path, old, new), run_dir, "probe", "service")
+    assert result.returncode == 1 and summary["stages"]["service"] in ("error", "failed")
+    service = evidence(run_dir, "service")
+    assert message in service["error"]["message"] and "\n" not in service["error"]["message"].strip()
+    assert (run_dir / "stages" / "service" / "stderr.log").is_file()  # the job's own log is kept
+
+
+@pytest.mark.parametrize(("stack", "example", "path", "old", "new", "message"), [
+    ("skyrl-gym", "skyrl-rechnen", "src/rechnen_env/env.py", "        self.turns += 1\n",
+     "        self.turns += 1\n        raise ZeroDivisionError('the reward broke')\n", "the reward broke"),
+    ("openenv", "openenv-rechner", "src/rechner_env/environment.py", "            submitted = str(",
+     "            raise KeyError('no grader')\n            submitted = str(", "no grader"),
+    ("lightning-verl", "lightning-harness", "src/rechen_agent/agent.py", '            return {"reward": 1.0',
+     '            return {"reward": float("nan")', "expected its reward, a finite number"),
+    ("nemo-gym", "nemo-gym-rechner", "src/rechner_gym/app.py", "        final = \"\"\n",
+     "        final = \"\"\n        raise RuntimeError('verify broke')\n", "verify broke"),
+])
+def test_a_reward_that_raises_fails_the_service_stage_naming_the_cause(tmp_path, stack, example, path, old, new,
+                                                                       message):
+    run_dir = tmp_path / "run"
+    result, summary = qualify(stack, broken_copy(example, tmp_path, path, old, new), run_dir, "probe", "service")
+    assert result.returncode == 1 and summary["stages"]["service"] == "failed"
+    detail = gates(run_dir, "service")["service:scripted-episodes"]["detail"]
+    assert message in detail, detail
+    cases = lines(run_dir / "stages" / "service" / "service.jsonl")
+    assert any(case["status"] == "failed" for case in cases) and len(cases) >= 9  # every case kept, marked
