@@ -171,12 +171,25 @@ def summary(plan: Plan, evidence: list[Evidence], trials: dict[int, list[Evidenc
         "evaluation": {k: v for k, v in (evaluate.metrics.items() if evaluate else []) if isinstance(v, dict)},
         "seeds": seeds,
         "environment": msgspec.to_builtins(evidence[0].environment) if evidence and evidence[0].environment else None,
+        "native_asset": native_asset_note(plan),
     }
     evaluated = [row["evaluation"] for row in seeds if row["evaluation"]]
     if len(evaluated) > 1:
         data["evaluation"] = pooled_evaluation(evaluated, plan.gates.confidence)
     data["release"] = release_verdict(plan, data, every)
     return data
+
+
+def native_asset_note(plan: Plan) -> str | None:
+    """What a native asset's qualification is about, said where its figures are read."""
+    native = plan.task.native
+    if native is None:
+        return None
+    return (f"{native.env} ({native.name}, tree `{(native.sha256 or '')[:12]}`) in {native.stack}'s own form; "
+            "its reward is the asset's own (no reference scorer; checked against its answer key)"
+            + ("; with the tiny CPU policy, which was never trained on this task, the qualification is about the "
+               "machinery (token truth, attribution, recovery, resume, isolation), not the policy's skill on it"
+               if plan.policy.kind == "tiny" else ""))
 
 
 def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
@@ -193,6 +206,7 @@ def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
         f"- environment: engine {env.get('engine')}, Python {env.get('python')}, "
         f"{upstream.get('name')} {upstream.get('version')}, lock `{(env.get('lock_sha256') or '')[:16]}`",
         f"- time to first reproducible update: {data.get('time_to_first_reproducible_update_s')} s",
+        *([f"- native asset: {data['native_asset']}"] if data.get("native_asset") else []),
         "",
         "## Gates",
         "",

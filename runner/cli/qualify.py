@@ -117,6 +117,8 @@ def qualify(
             colour = "green" if release["verdict"] == "release" else "yellow"
             console.print(f"release: [{colour}]{release['verdict']}[/]" + "".join(f"\n  failed: {c}" for c in release["failed"]),
                           highlight=False)
+        if data.get("native_asset"):
+            console.print(f"native asset: {data['native_asset']}", highlight=False)
         verdict = "[green]qualified: every gate passed[/]" if data["passed"] else "[red]not qualified[/]"
         console.print(f"{verdict}\nrun directory: {target}\nreport: {target / 'report.md'} and {target / 'report.html'}",
                       highlight=False)

@@ -1,7 +1,8 @@
 """German word arithmetic as a SkyRL Gym text environment.
 
-The policy answers with 'Antwort: <Zahl>'. A correct answer ends the episode with reward 1.0; a wrong or
-missing one gets feedback and another turn, until max_turns (SkyRL's generator puts it in extras).
+The policy answers with 'Antwort: <Zahl>'. A correct answer ends the episode: reward 1.0 on the first turn,
+half as much for each retry before it. A wrong or missing answer gets feedback and another turn, until
+max_turns (SkyRL's generator puts it in extras), which ends the episode with reward 0.0.
 """
 
 import re
@@ -28,7 +29,8 @@ class RechnenEnv(BaseTextEnv):
         self.turns += 1
         answer = self._parse_action(action)
         if answer == self.ground_truth:
-            return BaseTextEnvStepOutput(observations=[], reward=1.0, done=True, metadata={"parsed": answer})
+            reward = 0.5 ** (self.turns - 1)
+            return BaseTextEnvStepOutput(observations=[], reward=reward, done=True, metadata={"parsed": answer})
         if self.turns >= self.max_turns:
             return BaseTextEnvStepOutput(observations=[], reward=0.0, done=True,
                                          metadata={"parsed": -1 if answer is None else answer})

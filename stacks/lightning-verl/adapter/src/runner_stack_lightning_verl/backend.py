@@ -118,15 +118,15 @@ class LightningBackend(RolloutBackend):
                           "registered policy endpoint under the rollout's episode id (metadata.episode_id)")
 
     def __init__(self, harness_timeout_s: float = 600.0, native: NativeAsset | None = None):
-        self.native = native  # a team's own harness (module:function) instead of team_agent.py
-        self.program = NATIVE_HARNESS if native is not None else TEAM_AGENT
+        self.native = native  # a team's own harness (module:function), run by native_harness.py
         self.gateway = Gateway()
         self.harness_timeout_s = harness_timeout_s
         self._lock = threading.Lock()  # the gateway process and its configuration
         self._harnesses: set[subprocess.Popen] = set()
         self._harness_lock = threading.Lock()
         self._down = False  # killed (fault injection or crash) and not yet restarted
-        self._prefork: tuple[subprocess.Popen, Path] | None = None  # the harness's fork server and launcher
+        # Per program (team_agent.py; native_harness.py with a native asset): its fork server and launcher.
+        self._preforks: dict[Path, tuple[subprocess.Popen, Path] | None] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -134,9 +134,13 @@ class LightningBackend(RolloutBackend):
         with self._lock:
             if self.native is not None:
                 check_native_harness(self.native.env)
-            if self._prefork is None:
-                warm = [*OPENAI_MODULES, self.native.env.partition(":")[0]] if self.native else HARNESS_MODULES
-                self._prefork = start_prefork(Path(tempfile.mkdtemp(prefix="agl-harness-")), self.program, warm)
+            programs = {TEAM_AGENT: HARNESS_MODULES}
+            if self.native is not None:
+                programs[NATIVE_HARNESS] = [*OPENAI_MODULES, self.native.env.partition(":")[0]]
+            for program, warm in programs.items():
+                if program not in self._preforks:
+                    self._preforks[program] = start_prefork(Path(tempfile.mkdtemp(prefix="agl-harness-")), program,
+                                                            warm)
             if not self.gateway.alive():
                 self.gateway.start()
             self._down = False
@@ -164,11 +168,12 @@ class LightningBackend(RolloutBackend):
         self.kill_harnesses()
         with self._lock:
             self.gateway.stop()
-            if self._prefork is not None:
-                self._prefork[0].kill()
-                self._prefork[0].wait()
-                shutil.rmtree(self._prefork[1].parent.parent, ignore_errors=True)
-                self._prefork = None
+            for prefork in self._preforks.values():
+                if prefork is not None:
+                    prefork[0].kill()
+                    prefork[0].wait()
+                    shutil.rmtree(prefork[1].parent.parent, ignore_errors=True)
+            self._preforks.clear()
 
     def running_harnesses(self) -> list[subprocess.Popen]:
         with self._harness_lock:
@@ -257,14 +262,15 @@ class LightningBackend(RolloutBackend):
         try:
             if native:  # its own reward: the harness returns it
                 row = TaskItem.from_json(task["item"]).reference.get("row", {})
-                returned = self._run_harness(gateway, rollout_id, {"harness": family.native.env, "row": row}, model)
+                returned = self._run_harness(gateway, rollout_id, {"harness": family.native.env, "row": row}, model,
+                                             NATIVE_HARNESS)
                 solved = family.solved(returned["reward"])
                 score = Score(reward=returned["reward"], success=solved, components={},
                               outcome="success" if solved else "failure")
                 transcript = {"final_text": returned["final_text"], "tool_calls": [], "turns": None,
                               "finish_reason": "stop"}
             else:
-                transcript = self._run_harness(gateway, rollout_id, task, model)
+                transcript = self._run_harness(gateway, rollout_id, task, model, TEAM_AGENT)
                 calls = [ToolCall(c["name"], c["arguments"], c["result"]) for c in transcript["tool_calls"]]
                 score = family.score(TaskItem.from_json(task["item"]),
                                      Transcript(final_text=transcript["final_text"], tool_calls=calls))
@@ -281,12 +287,14 @@ class LightningBackend(RolloutBackend):
         self._patch(gateway, rollout_id, state="succeeded", last_attempt_id=ATTEMPT)
         return transcript, score
 
-    def _run_harness(self, gateway: Gateway, rollout_id: str, task: dict[str, Any], model: str) -> dict[str, Any]:
+    def _run_harness(self, gateway: Gateway, rollout_id: str, task: dict[str, Any], model: str,
+                     program: Path) -> dict[str, Any]:
         env = {**os.environ,
                "OPENAI_BASE_URL": f"{gateway.url}/proxy/rollout/{rollout_id}/attempt/{ATTEMPT}/mode/train/openai/v1",
                "OPENAI_API_KEY": gateway.key, "OPENAI_MODEL": model}
-        interpreter = str(self._prefork[1]) if self._prefork else sys.executable
-        process = subprocess.Popen([interpreter, str(self.program)], env=env,
+        prefork = self._preforks.get(program)
+        interpreter = str(prefork[1]) if prefork else sys.executable
+        process = subprocess.Popen([interpreter, str(program)], env=env,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, start_new_session=True)
         with self._harness_lock:
@@ -303,11 +311,13 @@ class LightningBackend(RolloutBackend):
                 self._harnesses.discard(process)
         # The launcher reports a child killed by signal N as 128 + N; a launcher killed itself is -N.
         killed_by = -process.returncode if process.returncode < 0 else \
-            process.returncode - 128 if self._prefork and process.returncode > 128 else 0
+            process.returncode - 128 if prefork and process.returncode > 128 else 0
         if killed_by:
             raise EnvironmentDown(f"team harness killed by signal {killed_by}")
-        if process.returncode != 0:
-            raise RuntimeError(f"team harness exited with {process.returncode}: {err.strip()[-1500:]}")
+        if process.returncode != 0:  # the whole stderr goes to the stage's log, its last line to the result
+            print(f"team harness of rollout {rollout_id} exited with {process.returncode}:\n{err}", file=sys.stderr)
+            last = (err.strip().splitlines() or ["(no stderr)"])[-1]
+            raise RuntimeError(f"team harness exited with {process.returncode}: {last[-500:]}")
         return json.loads(out.strip().splitlines()[-1])
 
     def _patch(self, gateway: Gateway, rollout_id: str, **status: Any) -> None:
