@@ -111,7 +111,7 @@ def test_a_broken_answer_key_is_one_line(asset, case, message):
     ("stack: skyrl-gym", "stack: skyrl", "field task.native.stack: unknown stack 'skyrl'"),
     ("package: .", "package: ./nowhere", "field task.native.package:"),
     ("dataset: data/rechnen.jsonl", "dataset: data/missing.jsonl", "field task.native.dataset:"),
-    ("{family: german-arith, split: retention,", "{split: heldout,", "field task.retention.family: a native task has "
+    ("{family: calc-tool, split: heldout,", "{split: heldout,", "field task.retention.family: a native task has "
                                                                      "no retention split"),
     ("tiny: {seed: 0}", "tiny: {seed: 0, families: [calc-tool, rechnen]}", "rechnen is a native asset's task, "
                                                                             "which has no demonstrations"),
