@@ -28,6 +28,7 @@ import msgspec
 from packaging.requirements import InvalidRequirement, Requirement
 
 from qualification.tasks import use_plan
+from qualification.tasks.native import NATIVE_DATA
 from runner_contracts import NativeAsset, Plan, TaskPackage, write_atomic
 
 from ._engines.jobs import file_lock, tree_hash
@@ -136,15 +137,18 @@ def build(plan: Plan, log=lambda message: None) -> Path | None:
 
 
 def build_native(plan: Plan, log=lambda message: None) -> Path | None:
-    """Builds the plan's native asset (its package and locked dependencies) into its folder; returns it."""
+    """Builds the plan's native asset (its package and locked dependencies) into its folder, with a copy of
+    its dataset and answer key under native-data/ (every job reads them there); returns the folder."""
     native = plan.task.native
     if native is None:
         return None
+    data = [relative for relative in (native.dataset, native.cases) if relative is not None]
     return _build([TaskPackage(path=native.package, name=native.name, sha256=native.sha256)], native_asset_dir(plan),
-                  f"the {native.stack} native asset", log)
+                  f"the {native.stack} native asset", log, data=(Path(native.package), data))
 
 
-def _build(packages: list[TaskPackage], target: Path | None, what: str, log) -> Path | None:
+def _build(packages: list[TaskPackage], target: Path | None, what: str, log,
+           data: tuple[Path, list[str]] = (Path(), [])) -> Path | None:
     if target is None:
         return None
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +169,11 @@ def _build(packages: list[TaskPackage], target: Path | None, what: str, log) -> 
             if copies:
                 _pip(["install", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--target", str(out),
                       *map(str, copies)], f"building {what}")
+            source, files = data
+            for relative in files:
+                copy = out / NATIVE_DATA / relative
+                copy.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source / relative, copy)
             for root, dirs, files in os.walk(out):  # jobs run as other users in containers: world-readable
                 os.chmod(root, 0o755)
                 for name in files:

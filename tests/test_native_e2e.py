@@ -154,13 +154,15 @@ def broken_copy(example: str, tmp_path: Path, path: str, old: str, new: str) -> 
      "env: rechner_gym.app:RechnerRequest", "native asset: rechner_gym.app:RechnerRequest is not a nemo_gym "
                                             "SimpleResourcesServer subclass"),
 ])
-def test_an_asset_that_cannot_load_fails_its_service_stage_on_one_line(tmp_path, stack, example, path, old, new, message):
+def test_an_asset_that_cannot_load_fails_the_arm_on_one_line(tmp_path, stack, example, path, old, new, message):
+    """The probe starts the rollout service, which loads the asset first: the probe fails with the cause, and
+    the service's own log stays where the message says."""
     run_dir = tmp_path / "run"
     result, summary = qualify(stack, broken_copy(example, tmp_path, path, old, new), run_dir, "probe", "service")
-    assert result.returncode == 1 and summary["stages"]["service"] in ("error", "failed")
-    service = evidence(run_dir, "service")
-    assert message in service["error"]["message"] and "\n" not in service["error"]["message"].strip()
-    assert (run_dir / "stages" / "service" / "stderr.log").is_file()  # the job's own log is kept
+    assert result.returncode == 1 and summary["stages"] == {"probe": "error", "service": "skipped"}
+    error = evidence(run_dir, "probe")["error"]["message"]
+    assert message in error and "\n" not in error
+    assert Path(error.rsplit("(logs: ", 1)[1].rstrip(")")).is_file()
 
 
 @pytest.mark.parametrize(("stack", "example", "path", "old", "new", "message"), [

@@ -21,11 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from qualification.tasks.native import NATIVE_DATA, NATIVE_DATA_VAR
 from runner_contracts import Plan, StageRequest, write_record
 from runner_contracts.processes import JOB_TOKEN_VAR, descendants, die_with_parent, end_job, innermost_pid, kill_trees
 
 from .._errors import EngineError
-from .._paths import job_paths
+from .._paths import job_paths, native_asset_dir
 from .._stacks import StackManifest
 
 STACK_PREFIX = Path("/opt/stack")  # the stack's virtualenv inside its image or SIF
@@ -103,12 +104,16 @@ def file_lock(path: Path) -> Iterator[None]:
 
 def read_only_inputs(request: StageRequest, stack: str, *, outside: Path | None = None) -> list[Path]:
     """Host paths a job reads: the policy, a checkpoint to resume from, a trained policy to evaluate, the
-    plan's built task packages (and its native asset, for a job in `stack`'s own environment); with `outside`, only those not under that folder (the run directory,
-    mounted writable anyway). The paths are the ones the request names, made absolute but not resolved:
+    plan's built task packages and its built native asset (whose data every job reads; only `stack`'s own
+    jobs import it); with `outside`, only those not under that folder (the run directory, mounted writable
+    anyway). The paths are the ones the request names, made absolute but not resolved:
     a job opens them by those names, so a policy or cache reached through a symlink (a home cache linked
     to scratch space) is mounted at the name the job uses (the mount follows the link on the host)."""
     paths = [Path(request.policy_dir)] if request.policy_dir else []
     paths += job_paths(request.plan, stack)
+    native = native_asset_dir(request.plan)
+    if native is not None and native not in paths:
+        paths.append(native)
     if request.resume_from:
         paths.append(Path(request.resume_from))
     if request.options.get("trained_policy"):
@@ -138,9 +143,11 @@ def job_env(python_bin_dir: Path, home: Path, plan: Plan | None = None, stack: s
     """What every job's environment sets, whatever the host: offline flags, PATH, a private HOME and TMPDIR,
     and the plan's task packages (and, for its own stack's jobs, its native asset) on PYTHONPATH."""
     packages = os.pathsep.join(map(str, job_paths(plan, stack))) if plan is not None else None
+    native = native_asset_dir(plan) if plan is not None else None
     return {**FIXED_ENV, "LANG": "C.UTF-8", "PATH": f"{python_bin_dir}:/usr/local/bin:/usr/bin:/bin",
             "HOME": str(home), "HF_HOME": str(home / "hf"), "XDG_CACHE_HOME": str(home / "cache"),
-            "TMPDIR": str(home / "tmp"), **({"PYTHONPATH": str(packages)} if packages else {})}
+            "TMPDIR": str(home / "tmp"), **({"PYTHONPATH": str(packages)} if packages else {}),
+            **({NATIVE_DATA_VAR: str(native / NATIVE_DATA)} if native is not None else {})}
 
 
 def scrubbed_env(python_bin_dir: Path, home: Path, plan: Plan | None = None, stack: str = "") -> dict[str, str]:

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from .base import Score, TaskItem, Transcript, hash_bucket, split_rng
 from .registry import FamilyError
 
+NATIVE_DATA = "native-data"  # the built asset's copy of its dataset and answer key, under their own paths
+NATIVE_DATA_VAR = "RUNNER_NATIVE_DATA"  # where a job finds that copy (a job may not see the package's source)
 SPLIT_FIELD = "split"  # a row may name its split ("train" | "heldout"); otherwise a stable hash decides
 ID_FIELD = "id"
 
@@ -35,6 +38,9 @@ class NativeFamily:
         self.native = native
         self.scorer_version = 1
         self.package = Path(native.package)
+        # The host reads the package's own files; a job reads the copy built with the asset (the source may be
+        # outside what its sandbox or container shows).
+        self.data = Path(os.environ.get(NATIVE_DATA_VAR) or native.package)
         self._rows: dict[str, list[tuple[str, dict[str, Any]]]] | None = None
         self._cases: list[tuple[TaskItem, dict[str, Any]]] | None = None
 
@@ -50,7 +56,7 @@ class NativeFamily:
     def rows(self, split: str) -> list[tuple[str, dict[str, Any]]]:
         """(task id, row) of the dataset's rows in `split`, in file order."""
         if self._rows is None:
-            self._rows = _read_dataset(self.package / str(self.native.dataset))
+            self._rows = _read_dataset(self.data / str(self.native.dataset))
         return self._rows.get(split, [])
 
     def generate(self, split: str, n: int, seed: int) -> list[TaskItem]:
@@ -62,7 +68,7 @@ class NativeFamily:
             return [self._seed_item(split, seed) for seed in _seeds_of_split(rng, split, n)]
         pool = self.rows(split)
         if len(pool) < n:
-            raise FamilyError(f"{self.package / str(self.native.dataset)}: {len(pool)} rows fall in split {split!r}, "
+            raise FamilyError(f"{self.data / str(self.native.dataset)}: {len(pool)} rows fall in split {split!r}, "
                               f"the plan asks for {n}")
         return [self._row_item(split, task_id, row) for task_id, row in rng.sample(pool, n)]
 
@@ -88,7 +94,7 @@ class NativeFamily:
         empty answer on each of two train items, which checks the lifecycle and not the reward."""
         if self._cases is None:
             if self.native.cases:
-                self._cases = _read_cases(self, self.package / self.native.cases)
+                self._cases = _read_cases(self, self.data / self.native.cases)
             else:
                 self._cases = [(item, {"case": "lifecycle", "turns": [{"text": ""}], "expected_reward": None,
                                        "expected_success": False}) for item in self.generate("train", 2, 0)]
