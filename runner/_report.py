@@ -11,7 +11,6 @@ from rich.markup import escape
 from rich.table import Table
 
 from qualification.gates import pooled_evaluation
-from qualification.tasks import use_plan
 from runner_contracts import Evidence, Plan, read_record
 
 from ._errors import UserError
@@ -39,7 +38,6 @@ def load_run(run_dir: Path) -> tuple[Plan, list[Evidence]]:
     if not (run_dir / "plan.json").is_file():
         raise UserError(f"{run_dir}: not a run directory (no plan.json)")
     plan = read_record(run_dir / "plan.json", Plan)
-    use_plan(plan)
     evidence = [read_record(run_dir / "stages" / stage / "evidence.json", Evidence)
                 for stage in STAGES if (run_dir / "stages" / stage / "evidence.json").is_file()]
     return plan, evidence

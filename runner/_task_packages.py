@@ -144,11 +144,13 @@ def build_native(plan: Plan, log=lambda message: None) -> Path | None:
         return None
     data = [relative for relative in (native.dataset, native.cases) if relative is not None]
     return _build([TaskPackage(path=native.package, name=native.name, sha256=native.sha256)], native_asset_dir(plan),
-                  f"the {native.stack} native asset", log, data=(Path(native.package), data))
+                  f"the {native.stack} native asset", log, data_from=Path(native.package), data=data)
 
 
-def _build(packages: list[TaskPackage], target: Path | None, what: str, log,
-           data: tuple[Path, list[str]] = (Path(), [])) -> Path | None:
+def _build(packages: list[TaskPackage], target: Path | None, what: str, log, *, data_from: Path | None = None,
+           data: tuple[str, ...] | list[str] = ()) -> Path | None:
+    """Installs `packages` into `target` unless it exists; `data` (paths under `data_from`) are copied into
+    its native-data/ folder."""
     if target is None:
         return None
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -169,11 +171,10 @@ def _build(packages: list[TaskPackage], target: Path | None, what: str, log,
             if copies:
                 _pip(["install", "--no-deps", "--no-build-isolation", "--no-cache-dir", "--target", str(out),
                       *map(str, copies)], f"building {what}")
-            source, files = data
-            for relative in files:
+            for relative in data:
                 copy = out / NATIVE_DATA / relative
                 copy.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(source / relative, copy)
+                shutil.copyfile(data_from / relative, copy)
             for root, dirs, files in os.walk(out):  # jobs run as other users in containers: world-readable
                 os.chmod(root, 0o755)
                 for name in files:

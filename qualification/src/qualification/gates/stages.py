@@ -42,19 +42,19 @@ def lock_gate(installed: dict[str, str], locked: dict[str, str], also_ignored: t
 def service_gates(cases: list[ServiceCase]) -> list[GateResult]:
     """Stack rewards equal the reference scorer; known-good cases succeed, known-bad fail; tool results
     equal the reference tool implementation."""
-    mismatched, wrong_expectation, wrong_tools, keyless = [], [], [], []
-    native = []
+    mismatched, wrong_expectation, wrong_tools = [], [], []
+    keyed, keyless, native = [], [], 0  # cases with a reward to check; a native asset's without; native ones
     for case in cases:
         item = TaskItem.from_json(case.item)
         family = get_family(item.family)
         if not getattr(family, "reference_scorer", True):
-            native.append(case)
+            native += 1
             expected = family.expected_reward(case.task_id, case.case)
-            if expected is None:
-                keyless.append(case)
-            elif not math.isclose(expected, case.stack_reward, abs_tol=1e-6):
+            (keyless if expected is None else keyed).append(case)
+            if expected is not None and not math.isclose(expected, case.stack_reward, abs_tol=1e-6):
                 mismatched.append(f"{case.task_id}/{case.case}: environment {case.stack_reward} vs answer key {expected}")
             continue
+        keyed.append(case)
         calls = [ToolCall(name=c["name"], arguments=c.get("arguments", {}), result=str(c.get("result", "")))
                  for c in case.tool_calls]
         _, reference_results = replay(family, item, calls)
@@ -66,10 +66,9 @@ def service_gates(cases: list[ServiceCase]) -> list[GateResult]:
             mismatched.append(f"{case.task_id}/{case.case}: stack {case.stack_reward} vs reference {reference.reward}")
         if reference.success != case.expected_success:
             wrong_expectation.append(f"{case.task_id}/{case.case}: expected success={case.expected_success}")
-    keyed = [case for case in cases if case not in keyless]
     good = sum(1 for case in keyed if case.expected_success)
-    scored = (f"{len(keyed) - len(native)} scripted episodes scored as the reference scorer does"
-              + (f"; {len(native) - len(keyless)} of the native asset's as its answer key says (reward from the "
+    scored = (f"{len(keyed) - (native - len(keyless))} scripted episodes scored as the reference scorer does"
+              + (f"; {native - len(keyless)} of the native asset's as its answer key says (reward from the "
                  "environment's own reward; no reference scorer)" if native else ""))
     gates = [
         GateResult(name="service:reward-equals-reference", passed=bool(keyed) and not mismatched,
