@@ -57,6 +57,12 @@ def test_the_dataset_is_split_by_a_stable_hash_and_frozen(asset):
     assert plan.task.native.sha256 and Path(plan.task.native.package) == asset.resolve()
 
 
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLE.parent.iterdir() if (p / "plan.yaml").is_file()))
+def test_every_native_example_plan_checks(example):
+    code, output = run_cli("plan", "check", str(EXAMPLE.parent / example / "plan.yaml"))
+    assert code == 0, output
+
+
 def test_an_edited_asset_is_another_plan(asset):
     before = load_plan(asset / "plan.yaml")
     (asset / "src" / "rechnen_env" / "env.py").write_text((asset / "src" / "rechnen_env" / "env.py").read_text()
@@ -106,8 +112,8 @@ def test_a_broken_answer_key_is_one_line(asset, case, message):
 
 
 @pytest.mark.parametrize(("old", "new", "message"), [
-    ("stack: skyrl-gym", "stack: verifiers", "the verifiers stack does not run a team's native asset; stacks that "
-                                             "do: lightning-verl, nemo-gym, openenv, skyrl-gym"),
+    ("stack: skyrl-gym", "stack: trl", "the trl stack does not run a team's native asset; stacks that "
+                                       "do: lightning-verl, nemo-gym, openenv, skyrl-gym, verifiers"),
     ("stack: skyrl-gym", "stack: skyrl", "field task.native.stack: unknown stack 'skyrl'"),
     ("package: .", "package: ./nowhere", "field task.native.package:"),
     ("dataset: data/rechnen.jsonl", "dataset: data/missing.jsonl", "field task.native.dataset:"),

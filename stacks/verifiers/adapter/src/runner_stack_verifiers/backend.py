@@ -5,7 +5,9 @@ Per episode the env server runs one rollout of SingleAgentEnv: the null harness'
 subprocess, forked pre-imported by the env server's fork server) talks to verifiers' interception server,
 which calls the policy through the episode's client; the taskset's MCP tool server (one subprocess per env
 server, reached by each rollout under its own state route) runs the family's tools on the rollout's state;
-the task's @vf.reward calls the reference scorer. The client config is per episode: its base URL names the episode
+the task's @vf.reward calls the reference scorer. A plan's native asset (a team's taskset package) gets an env
+server of its own, loaded by verifiers' `load_environment`, and its tasks' own rewards score its episodes; our
+taskset's server then starts only when an episode of our families (the retention probe) comes. The client config is per episode: its base URL names the episode
 (http://127.0.0.1:PORT/episodes/<id>/v1), TrainClient (token-in/token-out with the policy's local
 tokenizer) when the endpoint has a tokenizer_dir, EvalClient (relay to /v1/chat/completions) otherwise.
 """
@@ -14,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,8 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qualification.tasks import TaskItem
-from runner_contracts import EpisodeResult, EpisodeSpec, ErrorInfo, ToolCallRecord
+from qualification.tasks import NativeFamily, TaskItem, get_family
+from qualification.tasks.native import row_id
+from runner_contracts import EpisodeResult, EpisodeSpec, ErrorInfo, NativeAsset, ToolCallRecord
+from runner_kit.native import import_asset_module
 from runner_kit.prefork import FORK_SERVER_MODULE
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
@@ -40,6 +46,7 @@ RECYCLE_AFTER_EPISODES = 500
 # Trace errors that mean the environment (not the policy or the episode) failed; the episode is retried.
 ENVIRONMENT_ERRORS = {"ToolsetError", "SandboxError"}
 TOOL_SERVER_MODULE = "runner_stack_verifiers.toolset"
+TASKS, NATIVE = "tasks", "native"  # the env servers: our taskset, a plan's native taskset
 
 
 @dataclass
@@ -66,20 +73,24 @@ class VerifiersBackend(RolloutBackend):
     upstream_name = "verifiers"
     capabilities = ["multi-turn-tools", "stateful-tools", "mcp-tools", "concurrent-episodes", "environment-restart",
                     "cpu", "reward:reference-scorer", "token-capture:policy-server", "token-in-token-out",
-                    "episode-id:path"]
+                    "episode-id:path", "native-assets"]
     # TrainClient GETs /episodes/<id>/v1/models, then POSTs /episodes/<id>/inference/v1/generate; EvalClient
     # posts /episodes/<id>/v1/chat/completions. Every call also carries verifiers' X-Session-ID (its trace id).
     episode_id_channel = "path /episodes/<id>/v1 (per-episode base URL)"
 
     def __init__(self, max_concurrent: int | None = None, log_dir: str | Path | None = None,
-                 recycle_after: int = RECYCLE_AFTER_EPISODES) -> None:
+                 recycle_after: int = RECYCLE_AFTER_EPISODES, native: NativeAsset | None = None,
+                 max_turns: int = 3) -> None:
         self.max_concurrent = max_concurrent
         self.recycle_after = recycle_after
+        self.native = native
+        self.max_turns = max_turns  # a native taskset's turn cap (our tasks carry their own)
+        self._native_tasks: dict[str, Any] | None = None  # task id -> the native taskset's task
         self._in_flight = 0
         self.log_dir = Path(log_dir) if log_dir is not None else Path.cwd()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._server: _EnvServer | None = None
+        self._servers: dict[str, _EnvServer] = {}
         self._lock = threading.Lock()
         self._work: Path | None = None
         self.starts = 0
@@ -93,41 +104,47 @@ class VerifiersBackend(RolloutBackend):
             if len(base) > 48 and os.access("/tmp", os.W_OK):
                 base = "/tmp"
             self._work = Path(tempfile.mkdtemp(prefix="vf-backend-", dir=base))
+        if self.native is not None and self._native_tasks is None:
+            # The client owns the taskset (as prime-rl's does): loaded here, the cause of a broken one is one line.
+            self._native_tasks, self._native_tool_modules = load_native_taskset(self.native)
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self._loop.run_forever, name="verifiers-client", daemon=True)
             self._thread.start()
         with self._lock:
-            if self._server is None or not self._server.alive():
-                self._server = self._spawn()
+            self._ensure(NATIVE if self.native is not None else TASKS)
+
+    def _ensure(self, kind: str) -> _EnvServer:
+        """The running env server of `kind`, started (or replaced, if it died) here. Holds the lock."""
+        server = self._servers.get(kind)
+        if server is not None and not server.alive():
+            del self._servers[kind]
+            self._retire(server)  # a running env server whose tool server died goes too
+            server = None
+        if server is None:
+            server = self._servers[kind] = self._spawn(kind)
+        return server
 
     def restart_environment(self) -> None:
         with self._lock:
-            if self._server is not None and self._server.alive():
-                return
-            old, self._server = self._server, None
-            if old is not None:
-                self._retire(old)  # a running env server whose tool server died goes too
-            self._server = self._spawn()
+            for kind in list(self._servers):
+                self._ensure(kind)
 
     def environment_pids(self) -> list[int]:
-        """The env server and the helpers every rollout needs (its tool server, its fork server)."""
-        server = self._server
-        if server is None or not server.alive():
-            return []
-        return [server.process.pid, *(pid for pid, _ in server.helpers)]
+        """The env servers and the helpers every rollout needs (their tool servers, their fork servers)."""
+        return [pid for server in list(self._servers.values()) if server.alive()
+                for pid in (server.process.pid, *(pid for pid, _ in server.helpers))]
 
     def kill_environment(self) -> None:
-        """SIGKILLs the env server and every process it started (rollout harness programs, MCP tool servers)."""
-        server = self._server
-        if server is not None:
+        """SIGKILLs the env servers and every process they started (rollout harness programs, MCP tool servers)."""
+        for server in list(self._servers.values()):
             _kill_tree(server.process.pid)
             server.process.wait()
 
     def stop(self) -> None:
         with self._lock:
-            server, self._server = self._server, None
-        if server is not None:
+            servers, self._servers = list(self._servers.values()), {}
+        for server in servers:
             self._retire(server)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -151,14 +168,18 @@ class VerifiersBackend(RolloutBackend):
         server.process.wait()
         self._close_client(server)
 
-    def _spawn(self) -> _EnvServer:
+    def _spawn(self, kind: str) -> _EnvServer:
         self.starts += 1
         ready = self._work / f"envserver-{self.starts}.address"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / "verifiers-envserver.log", "ab")
+        log_path = self.log_dir / ("verifiers-envserver.log" if kind == TASKS else "verifiers-native-envserver.log")
+        log = open(log_path, "ab")
         cmd = [sys.executable, "-m", "runner_stack_verifiers.envserver", str(ready)]
         if self.max_concurrent:
             cmd.append(str(self.max_concurrent))
+        if kind == NATIVE:
+            cmd += ["--native", json.dumps({"taskset": {**self.native.kwargs, "id": self.native.env},
+                                            "max_turns": self.max_turns})]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "UV_OFFLINE": "1",
                "PYTHONUNBUFFERED": "1"}
 
@@ -176,20 +197,22 @@ class VerifiersBackend(RolloutBackend):
         while not ready.is_file():
             if process.poll() is not None or time.monotonic() > deadline:
                 _kill_tree(process.pid)
-                raise RuntimeError(f"verifiers env server did not start (exit {process.poll()}); "
-                                   f"see {self.log_dir / 'verifiers-envserver.log'}")
+                raise RuntimeError(f"verifiers env server did not start (exit {process.poll()}){_last_error(log_path)}; "
+                                   f"see {log_path}")
             time.sleep(0.05)
         address = ready.read_text().strip()
         client = self._call(self._connect(address), timeout=60)
         # The env serves only once its tool server answered (the fork server starts before), so both run now.
         tree = [(pid, start, _cmdline(pid)) for pid, start in _tree(process.pid)]
-        tool_server = [(pid, start) for pid, start, cmd in tree if TOOL_SERVER_MODULE in cmd]
-        fork_server = [(pid, start) for pid, start, cmd in tree if FORK_SERVER_MODULE in cmd]
-        if not tool_server:
-            _kill_tree(process.pid)
-            raise RuntimeError("verifiers env server started no tool server; see "
-                               f"{self.log_dir / 'verifiers-envserver.log'}")
-        return _EnvServer(process=process, address=address, client=client, helpers=tool_server[:1] + fork_server[:1])
+        tool_modules = [TOOL_SERVER_MODULE] if kind == TASKS else self._native_tool_modules
+        helpers = []
+        for module in [*tool_modules, FORK_SERVER_MODULE]:
+            found = [(pid, start) for pid, start, cmd in tree if f"-m {module} " in f"{cmd} "]
+            if not found and module != FORK_SERVER_MODULE:
+                _kill_tree(process.pid)
+                raise RuntimeError(f"verifiers env server started no tool server {module}; see {log_path}")
+            helpers += found[:1]
+        return _EnvServer(process=process, address=address, client=client, helpers=helpers)
 
     async def _connect(self, address: str):
         from verifiers.v1.serve.client import EnvClient
@@ -210,19 +233,26 @@ class VerifiersBackend(RolloutBackend):
     # --- episodes ----------------------------------------------------------------------------------
 
     def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
+        item = TaskItem.from_json(episode.item)
+        native = self.native is not None and isinstance(get_family(item.family), NativeFamily)
+        kind = NATIVE if native else TASKS
         with self._lock:
-            server = self._server
+            server = self._servers.get(kind)
             if server is not None and server.alive() and server.served >= self.recycle_after and not self._in_flight:
-                self._server = None
+                del self._servers[kind]
                 self._retire(server)
-                server = self._server = self._spawn()
+                server = self._spawn(kind)
+                self._servers[kind] = server
+            elif server is None and kind not in self._servers and kind == TASKS:
+                server = self._ensure(TASKS)  # a native plan's retention probe: our taskset, started on first use
             if server is None or not server.alive():
                 raise EnvironmentDown("the verifiers env server is not running")
             server.served += 1
             self._in_flight += 1
         try:
             started = time.monotonic()
-            wire = self._call(self._run(server, episode, policy))
+            task_data = self._native_task_data(item) if native else None
+            wire = self._call(self._run(server, episode, policy, task_data))
         finally:
             with self._lock:
                 self._in_flight -= 1
@@ -232,16 +262,29 @@ class VerifiersBackend(RolloutBackend):
         environment_errors = [e for trace in wire.traces for e in trace.errors if e.type in ENVIRONMENT_ERRORS]
         if environment_errors:  # the rollout's tool server or runtime failed: retryable, like a dead env server
             raise EnvironmentDown("; ".join(f"{e.type}: {e.message}" for e in environment_errors)[:2000])
+        if native:
+            return native_episode_result(episode, get_family(item.family), wire, seconds=time.monotonic() - started)
         return episode_result(episode, wire, seconds=time.monotonic() - started)
 
-    async def _run(self, server: _EnvServer, episode: EpisodeSpec, policy: PolicyEndpoint):
-        from .taskset import task_for
+    def _native_task_data(self, item: TaskItem) -> dict[str, Any]:
+        """The wire data of the native taskset's task behind `item` (its dataset row's id)."""
+        task_id = row_id(item.reference.get("row", {}))
+        task = (self._native_tasks or {}).get(task_id)
+        if task is None:
+            raise RuntimeError(f"native asset: taskset {self.native.env}'s load() yields no task with id "
+                               f"{task_id!r} (a dataset row's id must be its task's TaskData.id)")
+        return task.data.model_dump(mode="json")
 
-        item = TaskItem.from_json(episode.item)
-        task = task_for(item, episode.max_turns, episode_id=episode.episode_id)
+    async def _run(self, server: _EnvServer, episode: EpisodeSpec, policy: PolicyEndpoint,
+                   task_data: dict[str, Any] | None = None):
+        if task_data is None:
+            from .taskset import task_for
+
+            task = task_for(TaskItem.from_json(episode.item), episode.max_turns, episode_id=episode.episode_id)
+            task_data = task.data.model_dump(mode="json")
         run = asyncio.ensure_future(server.client.run(
             client=client_config(policy, episode.episode_id), model=policy.model,
-            sampling=sampling_config(policy, episode), task_data=task.data.model_dump(mode="json")))
+            sampling=sampling_config(policy, episode), task_data=task_data))
         while True:
             done, _ = await asyncio.wait({run}, timeout=POLL_S)
             if done:
@@ -320,6 +363,81 @@ def episode_result(episode: EpisodeSpec, wire, seconds: float) -> EpisodeResult:
                          reward=float(reward.score), reward_components=components, success=success, outcome=outcome,
                          finish_reason=finish, turns=trace.num_turns, final_text=final_text, tool_calls=tool_calls,
                          seconds=round(seconds, 3))
+
+
+def load_native_taskset(native: NativeAsset) -> tuple[dict[str, Any], list[str]]:
+    """(task id -> task, the modules of its toolsets' servers) of a team's taskset package, loaded as verifiers
+    loads one (`env` is the taskset id: a package exporting its Taskset subclass via `__all__`; `kwargs` are the
+    taskset's config; `module`, if given, is imported first)."""
+    from pydantic import ValidationError
+    from verifiers.v1.utils.loaders import taskset_class, taskset_config_type
+
+    if not native.dataset:
+        raise RuntimeError("native asset: a verifiers taskset is qualified on its rows: task.native.dataset names "
+                           "the JSONL whose rows its load() yields as tasks (each row's id is its task's id)")
+    for module in filter(None, (native.module, native.env)):
+        import_asset_module(module.replace("-", "_"))
+    taskset_id = native.env
+    try:
+        cls = taskset_class(taskset_id)
+        config = taskset_config_type(taskset_id).model_validate({**native.kwargs, "id": taskset_id})
+        taskset = cls(config)
+        tasks: dict[str, Any] = {}
+        for task in taskset.load():
+            if task.data.id is None:
+                raise ValueError(f"task {task.data.name or task.key} has no TaskData.id")
+            tasks[str(task.data.id)] = task
+        toolsets = cls.toolsets(config)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise RuntimeError(f"native asset: taskset {taskset_id} config (task.native.kwargs): "
+                           f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    except Exception as error:
+        raise RuntimeError(f"native asset: loading taskset {taskset_id} failed: {type(error).__name__}: "
+                           f"{error}".replace("\n", " ")) from None
+    return tasks, [type(toolset).__module__ for toolset in toolsets]
+
+
+def native_episode_result(episode: EpisodeSpec, family: NativeFamily, wire, seconds: float) -> EpisodeResult:
+    """An EpisodeResult of a native taskset's episode: its reward is the trace's (verifiers' weighted sum of the
+    task's @vf.reward functions), each reward a component; solved at the asset's success_reward."""
+    from .taskset import tool_calls_of
+
+    if not wire.traces:
+        return episode_result(episode, wire, seconds)
+    trace = wire.traces[0]
+    calls, final_text = tool_calls_of(trace)
+    truncated = trace.stop_condition in ("turn_limit", "max_turns")
+    last_finish = trace.calls[-1].finish_reason if trace.calls else None
+    finish = "max_turns" if truncated else (last_finish or "stop")
+    tool_calls = [ToolCallRecord(name=c["name"], arguments=c["arguments"], result=c["result"]) for c in calls]
+    errors = [*wire.errors, *trace.errors]
+    unscored = [name for name, reward in trace.rewards.items() if reward is None]
+    if errors or unscored or not trace.rewards:
+        message = ("; ".join(f"{e.type}: {e.message}" for e in errors)
+                   or (f"the taskset's rewards {unscored} did not run" if unscored else "the task recorded no reward"))
+        return EpisodeResult(episode_id=episode.episode_id, task_id=episode.task_id, status="failed",
+                             outcome="error", finish_reason=finish, turns=trace.num_turns, final_text=final_text,
+                             tool_calls=tool_calls, error=ErrorInfo(kind=errors[0].type if errors else "no-reward",
+                                                                    message=message[:2000]),
+                             seconds=round(seconds, 3))
+    reward = float(trace.reward)
+    success = family.solved(reward)
+    outcome = "success" if success else ("truncated" if truncated or last_finish == "length" else "failure")
+    return EpisodeResult(episode_id=episode.episode_id, task_id=episode.task_id, status="completed", reward=reward,
+                         reward_components={name: float(r.score) for name, r in trace.rewards.items()},
+                         success=success, outcome=outcome, finish_reason=finish, turns=trace.num_turns,
+                         final_text=final_text, tool_calls=tool_calls, seconds=round(seconds, 3))
+
+
+def _last_error(log: Path) -> str:
+    """': <the last exception line>' of a log, or ''."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()[-200:]
+    except OSError:
+        return ""
+    causes = [line.strip() for line in lines if re.match(r"^[\w.]+(Error|Exception)\b.*: ", line.strip())]
+    return f": {causes[-1][:500]}" if causes else ""
 
 
 def _cmdline(pid: int) -> str:

@@ -1,17 +1,22 @@
 """The environment server: verifiers' own EnvServer (ZMQ, the process prime-rl's trainer talks to) hosting
 a SingleAgentEnv over our taskset, with the built-in `null` harness in the `subprocess` runtime.
 
-Run as `python -m runner_stack_verifiers.envserver READY_FILE [MAX_CONCURRENT]`: it binds
+Run as `python -m runner_stack_verifiers.envserver READY_FILE [MAX_CONCURRENT] [--native JSON]`: it binds
 tcp://127.0.0.1 on a free port and writes the bound address to READY_FILE; it answers verifiers' health
 request once the env serves, and runs until SIGTERM (or its parent's death). Serving starts the taskset's MCP
 tool server (runner_stack_verifiers.toolset, shared by all rollouts) and the chat program's fork server
 (runner_kit.prefork); each rollout runs the null harness's chat program as its own subprocess.
+
+With `--native {"taskset": {"id": MODULE, ...its config}, "env_id": ID, "max_turns": N}` it serves a team's
+own taskset package instead, loaded by verifiers' own `load_environment` (the package's exported Taskset, and
+its Env when it exports one), with the same harness and runtime; the agent's turn cap is the plan's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -40,6 +45,24 @@ def env_config(max_concurrent_agents: int = 1):
     )
 
 
+def native_env_config(native: dict):
+    """The env config of a team's taskset: its id and config, its Env (or SingleAgentEnv), our agent seat (the
+    null harness in the subprocess runtime, capped at the plan's turns) and one local interception server."""
+    import verifiers.v1 as vf
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.interception import InterceptionServerConfig
+    from verifiers.v1.utils.loaders import resolve_env_config
+
+    agent = vf.AgentConfig(harness={"id": "null"}, runtime=vf.SubprocessConfig(), max_turns=native["max_turns"])
+    config = resolve_env_config({"id": native.get("env_id") or "", "taskset": native["taskset"],
+                                 "interception": InterceptionServerConfig().model_dump()})
+    roles = list(agent_config_fields(config))
+    if roles != ["agent"]:
+        raise RuntimeError(f"native asset: the env of taskset {native['taskset']['id']!r} ({type(config).__name__}) "
+                           f"has the roles {roles}; runner runs one policy seat, `agent` (SingleAgentEnv)")
+    return config.model_copy(update={"agent": agent})
+
+
 def use_environment_python_for_chat_program(interpreter: str = sys.executable) -> Path:
     """Points the subprocess runtime's PEP 723 script cache at this environment's interpreter (or the
     prefork launcher, which forks it pre-imported) for the null harness's chat program, so no
@@ -64,6 +87,10 @@ def main(argv: list[str]) -> int:
     from verifiers.v1.serve.pool import _arm_teardown
     from verifiers.v1.serve.server import EnvServer
 
+    native = None
+    if "--native" in argv:
+        at = argv.index("--native")
+        native, argv = json.loads(argv[at + 1]), argv[:at] + argv[at + 2:]
     ready = Path(argv[0])
     max_concurrent = int(argv[1]) if len(argv) > 1 else None
     die_with_parent()
@@ -74,7 +101,7 @@ def main(argv: list[str]) -> int:
     prefork = start_prefork(ready.parent / f"prefork-{os.getpid()}", script, CHAT_PROGRAM_MODULES)
     if prefork is not None:
         use_environment_python_for_chat_program(str(prefork[1]))
-    server = EnvServer(env_config(), address="tcp://127.0.0.1:0", max_concurrent=max_concurrent)
+    server = EnvServer(env_config() if native is None else native_env_config(native), address="tcp://127.0.0.1:0", max_concurrent=max_concurrent)
 
     async def serve() -> None:
         task = asyncio.create_task(server.run())

@@ -8,4 +8,5 @@ from runner_kit.rollout import adapter_main
 def run(request):
     from .backend import VerifiersBackend
 
-    return adapter_main(VerifiersBackend(), request)
+    plan = request.plan
+    return adapter_main(VerifiersBackend(native=plan.task.native, max_turns=plan.budget.max_turns), request)
