@@ -1,11 +1,11 @@
 """A team's own environment, qualified as it is, through `runner qualify` on the real stacks (CPU, tiny
-policy): a SkyRL Gym env (skyrl-gym==0.4.0) over every stage, an OpenEnv MCP environment (openenv==0.10.0)
-over every stage, and a NeMo Gym resources server (nemo-gym==0.7.0) and an OpenAI-SDK harness behind Agent
+policy): a SkyRL Gym env (skyrl-gym==0.4.0), an OpenEnv MCP environment (openenv==0.10.0) and a Verifiers
+taskset package (verifiers==0.4.0) over every stage, and a NeMo Gym resources server (nemo-gym==0.7.0) and an OpenAI-SDK harness behind Agent
 Lightning 1.0.2's gateway on the stages that run them natively (probe, service); then broken assets of each kind, each refused on one line with its stage's
 files kept.
 
 Slow: each stack's environment and the tiny policy are built once per cache (shared with the rest of the
-suite); the two full arms take ~4 min each on 2 cores.
+suite); the three full arms take ~3-4 min each on 2 cores.
 """
 
 from __future__ import annotations
@@ -65,7 +65,12 @@ def openenv_run(tmp_path_factory) -> Path:
     return full_run("openenv", "openenv-rechner", tmp_path_factory.mktemp("native"))
 
 
-@pytest.mark.parametrize("arm", ["skyrl_run", "openenv_run"])
+@pytest.fixture(scope="module")
+def verifiers_run(tmp_path_factory) -> Path:
+    return full_run("verifiers", "verifiers-rechner", tmp_path_factory.mktemp("native"))
+
+
+@pytest.mark.parametrize("arm", ["skyrl_run", "openenv_run", "verifiers_run"])
 def test_a_native_asset_passes_every_gate_of_every_stage(arm, request):
     run_dir = request.getfixturevalue(arm)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -107,6 +112,23 @@ def test_the_openenv_tools_and_answer_tool_ran_in_the_teams_environment(openenv_
     episodes = lines(openenv_run / "stages" / "rollout" / "trajectories.jsonl")
     prompt = episodes[0]["segments"][0]["text"]
     assert "rechner" in prompt and "submit_answer" not in prompt
+
+
+def test_the_verifiers_taskset_ran_its_own_toolset_and_reward(verifiers_run):
+    """The service cases ran the team's `rechner` tool in its own MCP server; in the rollout the episodes'
+    rewards are the taskset's `correct` reward, recorded as a component under its own name, and the policy's
+    tool calls were answered by the team's tool server."""
+    cases = {c["case"]: c for c in lines(verifiers_run / "stages" / "service" / "service.jsonl")
+             if c["task_id"] == "r000"}
+    assert cases["tool-then-answer"]["tool_calls"][0]["result"] == "615"
+    assert "kein Ausdruck" in cases["bad-expression"]["tool_calls"][0]["result"]
+    assert cases["wrong-answer"]["stack_reward"] == 0.0 and cases["answer"]["stack_reward"] == 1.0
+    episodes = lines(verifiers_run / "stages" / "rollout" / "trajectories.jsonl")
+    assert all(set(e["reward_components"]) == {"correct"} and e["reward"] == e["reward_components"]["correct"]
+               for e in episodes)
+    assert any(len([s for s in e["segments"] if s["source"] == "policy"]) > 1 for e in episodes)
+    log = (verifiers_run / "stages" / "rollout" / "verifiers-native-envserver.log").read_text()
+    assert "taskset=rechner_vf" in log
 
 
 def test_a_team_harness_runs_unmodified_behind_the_gateway(tmp_path):
@@ -153,6 +175,11 @@ def broken_copy(example: str, tmp_path: Path, path: str, old: str, new: str) -> 
     ("nemo-gym", "nemo-gym-rechner", "plan.yaml", "env: rechner_gym.app:RechnerResourcesServer",
      "env: rechner_gym.app:RechnerRequest", "native asset: rechner_gym.app:RechnerRequest is not a nemo_gym "
                                             "SimpleResourcesServer subclass"),
+    ("verifiers", "verifiers-rechner", "src/rechner_vf/__init__.py", '"RechnerTask", "RechnerTaskset"]',
+     '"RechnerTask"]', "native asset: loading taskset rechner_vf failed: TypeError: taskset module 'rechner_vf' "
+                       "exports no Taskset subclass via `__all__`"),
+    ("verifiers", "verifiers-rechner", "plan.yaml", "kwargs: {}", "kwargs: {limit: many}",
+     "native asset: taskset rechner_vf config (task.native.kwargs): limit:"),
 ])
 def test_an_asset_that_cannot_load_fails_the_arm_on_one_line(tmp_path, stack, example, path, old, new, message):
     """The probe starts the rollout service, which loads the asset first: the probe fails with the cause, and
@@ -165,6 +192,23 @@ def test_an_asset_that_cannot_load_fails_the_arm_on_one_line(tmp_path, stack, ex
     assert Path(error.rsplit("(logs: ", 1)[1].rstrip(")")).is_file()
 
 
+def test_a_tool_that_hangs_fails_its_episodes_at_the_plans_episode_timeout(tmp_path):
+    """The team's calculator never returns: each episode that calls it is abandoned after the plan's
+    budget.episode_timeout_s, its env server killed and restarted, retried once and then failed, naming the
+    timeout; the other cases and every file of the stage are kept."""
+    plan = broken_copy("verifiers-rechner", tmp_path, "src/rechner_vf/tools.py", "        match = EXPRESSION.match(ausdruck)\n",
+                       "        import time\n        time.sleep(3600)\n        match = EXPRESSION.match(ausdruck)\n")
+    plan.write_text(plan.read_text().replace("  max_turns: 3\n", "  max_turns: 3\n  episode_timeout_s: 8\n", 1))
+    run_dir = tmp_path / "run"
+    result, summary = qualify("verifiers", plan, run_dir, "probe", "service")
+    assert result.returncode == 1 and summary["stages"]["service"] == "failed"
+    cases = {(c["task_id"], c["case"]): c for c in lines(run_dir / "stages" / "service" / "service.jsonl")}
+    hung = cases[("r000", "tool-then-answer")]
+    assert hung["status"] == "failed" and "no result after 8 s (episode_timeout_s)" in hung["error"]["message"]
+    assert len(cases) == 15  # every scripted case kept, the ones the restarts cost marked failed with their cause
+    assert "episode_timeout_s" in gates(run_dir, "service")["service:scripted-episodes"]["detail"]
+
+
 @pytest.mark.parametrize(("stack", "example", "path", "old", "new", "message"), [
     ("skyrl-gym", "skyrl-rechnen", "src/rechnen_env/env.py", "        self.turns += 1\n",
      "        self.turns += 1\n        raise ZeroDivisionError('the reward broke')\n", "the reward broke"),
@@ -174,6 +218,8 @@ def test_an_asset_that_cannot_load_fails_the_arm_on_one_line(tmp_path, stack, ex
      '            return {"reward": float("nan")', "expected its reward, a finite number"),
     ("nemo-gym", "nemo-gym-rechner", "src/rechner_gym/app.py", "        final = \"\"\n",
      "        final = \"\"\n        raise RuntimeError('verify broke')\n", "verify broke"),
+    ("verifiers", "verifiers-rechner", "src/rechner_vf/taskset.py", "        numbers = NUMBER.findall(",
+     "        raise LookupError('the rubric broke')\n        numbers = NUMBER.findall(", "the rubric broke"),
 ])
 def test_a_reward_that_raises_fails_the_service_stage_naming_the_cause(tmp_path, stack, example, path, old, new,
                                                                        message):

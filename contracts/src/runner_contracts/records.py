@@ -21,6 +21,8 @@ COMPLETE_MARKER = "COMPLETE"  # written last, atomically, into every complete ch
 StageName = Literal["probe", "service", "rollout", "update", "resume", "train", "evaluate"]
 
 
+DEFAULT_EPISODE_TIMEOUT_S = 900.0  # a rollout service's per-attempt limit when the plan sets none
+
 class Record(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Base of every record: `contract` names the record type, `version` its major version."""
 
@@ -133,6 +135,13 @@ class BudgetSpec(Record, kw_only=True):
     cpus: Annotated[float, msgspec.Meta(gt=0)] | None = None  # container engines: CPU limit per job
     memory_gb: Annotated[float, msgspec.Meta(gt=0)] | None = None  # container engines: memory limit per job
     learning_rate: Annotated[float, msgspec.Meta(gt=0)] = 1e-4
+    # Per episode attempt in a rollout service: a hung environment or tool is killed and retried after this long.
+    # None: the service's default (DEFAULT_EPISODE_TIMEOUT_S).
+    episode_timeout_s: Annotated[float, msgspec.Meta(gt=0)] | None = None
+
+    def attempt_timeout_s(self) -> float:
+        """The per-attempt episode limit a rollout request carries."""
+        return self.episode_timeout_s or DEFAULT_EPISODE_TIMEOUT_S
 
 
 class GateSpec(Record, kw_only=True):
@@ -452,7 +461,7 @@ class RolloutRequest(Record, kw_only=True):
     max_attempts: Annotated[int, msgspec.Meta(ge=1)] = 2
     # An attempt with no result after this long is abandoned: the environment server is killed and
     # restarted (a hung server unblocks no other way) and the episode retried, or failed after max_attempts.
-    episode_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 900.0
+    episode_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = DEFAULT_EPISODE_TIMEOUT_S
 
 
 class ToolCallRecord(Record, kw_only=True):

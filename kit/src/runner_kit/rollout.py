@@ -390,7 +390,7 @@ def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:
         with ScriptedPolicyServer(scripts, plan.policy.tool_format) as scripted:
             batch = RolloutRequest(episodes=[e for e, _, _ in episodes], policy_base_url=scripted.base_url,
                                    policy_model=scripted.model, sampling=plan.sampling, concurrency=2,
-                                   tool_format=plan.policy.tool_format)
+                                   tool_format=plan.policy.tool_format, episode_timeout_s=plan.budget.attempt_timeout_s())
             response = BatchRunner(backend).run(batch)
             calls = scripted.call_records()
     finally:

@@ -39,7 +39,7 @@ def request_rollouts(service_url: str, episodes: list[EpisodeSpec], server: Poli
                      tokenizer_dir: Path) -> RolloutResponse:
     batch = RolloutRequest(episodes=episodes, policy_base_url=server.base_url, policy_model=server.model_name,
                            tokenizer_dir=str(tokenizer_dir), sampling=plan.sampling, concurrency=CONCURRENCY,
-                           tool_format=plan.policy.tool_format)
+                           tool_format=plan.policy.tool_format, episode_timeout_s=plan.budget.attempt_timeout_s())
     reply = post_json(f"{service_url}/rollouts", msgspec.to_builtins(batch), timeout=plan.budget.wall_clock_s)
     response = msgspec.convert(reply, RolloutResponse)
     returned = {result.episode_id for result in response.results}
