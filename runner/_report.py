@@ -183,7 +183,9 @@ def native_asset_note(plan: Plan) -> str | None:
     native = plan.task.native
     if native is None:
         return None
-    return (f"{native.env} ({native.name}, tree `{(native.sha256 or '')[:12]}`) in {native.stack}'s own form; "
+    source = (f"{native.requirement} from the index, lock and data `{(native.sha256 or '')[:12]}`"
+              if native.requirement else f"{native.name}, tree `{(native.sha256 or '')[:12]}`")
+    return (f"{native.env} ({source}) in {native.stack}'s own form; "
             "its reward is the asset's own (no reference scorer; checked against its answer key)"
             + ("; with the tiny CPU policy, which was never trained on this task, the qualification is about the "
                "machinery (token truth, attribution, recovery, resume, isolation), not the policy's skill on it"

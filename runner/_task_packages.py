@@ -55,7 +55,8 @@ def resolve(plan: Plan, plan_file: Path) -> Plan:
     """The plan with each task package's path (or lock) made absolute (relative paths are the plan
     file's), its distribution name read and its content hashed; refuses a package that cannot provide
     families. A native asset's package is resolved and hashed the same way."""
-    resolved = [_resolve_requirement(package, plan_file, index) if package.requirement is not None
+    resolved = [_resolve_requirement(package, plan_file, f"{plan_file}: field task.packages[{index}]")
+                if package.requirement is not None
                 else _resolve_path(package, plan_file, index) for index, package in enumerate(plan.task.packages)]
     merged_pins(resolved)  # refuses two packages pinning one distribution differently
     task = plan.task
@@ -68,6 +69,13 @@ def resolve(plan: Plan, plan_file: Path) -> Plan:
 
 def _resolve_native(native: NativeAsset, plan_file: Path) -> NativeAsset:
     where = f"{plan_file}: field task.native"
+    if native.requirement is not None:
+        return _resolve_native_requirement(native, plan_file)
+    if native.package is None:
+        raise UserError(f"{where}: give the asset's package (a path) or its requirement (name==version) and lock")
+    if native.lock is not None:
+        raise UserError(f"{where}.lock: belongs to a requirement; a package by path keeps its lock in {LOCK_NAME} "
+                        "beside its pyproject.toml")
     path = (plan_file.parent / Path(native.package).expanduser()).resolve()
     pyproject = path / "pyproject.toml"
     if not pyproject.is_file():
@@ -82,6 +90,34 @@ def _resolve_native(native: NativeAsset, plan_file: Path) -> NativeAsset:
         if relative is not None and not (path / relative).is_file():
             raise UserError(f"{where}.{field}: {path / relative}: no such file (the path is the package's)")
     return msgspec.structs.replace(native, package=str(path), name=project["name"], sha256=tree_hash([path]))
+
+
+def _resolve_native_requirement(native: NativeAsset, plan_file: Path) -> NativeAsset:
+    """A native asset from the package index: its pinned requirement and hashed lock; its dataset and answer
+    key are files beside the plan. The sha256 covers the lock and those files."""
+    where = f"{plan_file}: field task.native"
+    if native.package is not None:
+        raise UserError(f"{where}: give a package (a path) or a requirement, not both")
+    package = _resolve_requirement(TaskPackage(requirement=native.requirement, lock=native.lock), plan_file, where)
+    folder = plan_file.parent.resolve()
+    digest = hashlib.sha256(bytes.fromhex(package.sha256))
+    for field in ("dataset", "cases"):
+        relative = getattr(native, field)
+        if relative is None:
+            continue
+        if not (folder / relative).is_file():
+            raise UserError(f"{where}.{field}: {folder / relative}: no such file (with a requirement, the path is "
+                            "the plan's)")
+        digest.update(f"{field}\0".encode() + (folder / relative).read_bytes())
+    return msgspec.structs.replace(native, lock=package.lock, name=package.name, data_dir=str(folder),
+                                   sha256=digest.hexdigest())
+
+
+def native_package(native: NativeAsset) -> TaskPackage:
+    """The native asset as the task package it is installed as (by path, or by requirement and lock)."""
+    if native.requirement is not None:
+        return TaskPackage(requirement=native.requirement, lock=native.lock, name=native.name, sha256=native.sha256)
+    return TaskPackage(path=native.package, name=native.name, sha256=native.sha256)
 
 
 def _resolve_path(package: TaskPackage, plan_file: Path, index: int) -> TaskPackage:
@@ -105,8 +141,7 @@ def _resolve_path(package: TaskPackage, plan_file: Path, index: int) -> TaskPack
     return TaskPackage(path=str(path), name=project["name"], sha256=tree_hash([path]))
 
 
-def _resolve_requirement(package: TaskPackage, plan_file: Path, index: int) -> TaskPackage:
-    where = f"{plan_file}: field task.packages[{index}]"
+def _resolve_requirement(package: TaskPackage, plan_file: Path, where: str) -> TaskPackage:
     if package.path is not None:
         raise UserError(f"{where}: give a path or a requirement, not both")
     try:
@@ -143,8 +178,8 @@ def build_native(plan: Plan, log=lambda message: None) -> Path | None:
     if native is None:
         return None
     data = [relative for relative in (native.dataset, native.cases) if relative is not None]
-    return _build([TaskPackage(path=native.package, name=native.name, sha256=native.sha256)], native_asset_dir(plan),
-                  f"the {native.stack} native asset", log, data_from=Path(native.package), data=data)
+    return _build([native_package(native)], native_asset_dir(plan), f"the {native.stack} native asset", log,
+                  data_from=Path(native.data_dir or native.package), data=data)
 
 
 def _build(packages: list[TaskPackage], target: Path | None, what: str, log, *, data_from: Path | None = None,
@@ -272,8 +307,7 @@ def task_dependencies(plan: Plan) -> tuple[str, ...]:
     """The distribution names the plan's task packages' locks bring, and its native asset's (normalised);
     the probe's lock gate does not count them, as it does not count the packages."""
     native = plan.task.native
-    pins = merged_pins(plan.task.packages) + (merged_pins([TaskPackage(path=native.package, name=native.name)])
-                                              if native is not None else [])
+    pins = merged_pins(plan.task.packages) + (merged_pins([native_package(native)]) if native is not None else [])
     return tuple(normalise(line.partition("==")[0]) for line in pins)
 
 

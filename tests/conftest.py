@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -52,6 +53,17 @@ def matches_golden(name: str, text: str) -> None:
     if os.environ.get("UPDATE_GOLDEN"):
         path.write_text(text)
     assert path.read_text() == text, f"{name} differs from the reviewed golden file (UPDATE_GOLDEN=1 to accept)"
+
+
+def publish_to_local_index(project: Path, name: str, index: Path, monkeypatch) -> None:
+    """Publishes the Python project under distribution `name` to a package index that is a folder of wheels
+    (PIP_FIND_LINKS, as a team's private index is configured for pip)."""
+    pyproject = project / "pyproject.toml"
+    pyproject.write_text(re.sub(r'(?m)^name = ".*"$', f'name = "{name}"', pyproject.read_text(), count=1))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(index), str(project)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
 
 
 def stage_evidence(run_dir: Path, stage: str) -> dict:

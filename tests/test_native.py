@@ -6,11 +6,13 @@ that import it are in test_native_e2e.py."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import msgspec
 import pytest
+from conftest import publish_to_local_index
 
 from qualification.gates import evaluate_gates, service_gates
 from qualification.tasks import get_family, split_hash
@@ -61,6 +63,54 @@ def test_the_dataset_is_split_by_a_stable_hash_and_frozen(asset):
 def test_every_native_example_plan_checks(example):
     code, output = run_cli("plan", "check", str(EXAMPLE.parent / example / "plan.yaml"))
     assert code == 0, output
+
+
+def index_asset(asset: Path, tmp_path: Path, monkeypatch) -> Path:
+    """The example asset published to a package index (a folder of wheels, PIP_FIND_LINKS, as a team's private
+    index is configured for pip) under another name, locked, and a plan beside its dataset and answer key that
+    names it by requirement; returns the plan."""
+    publish_to_local_index(asset, "runner-test-rechnen-env", tmp_path / "index", monkeypatch)
+    plans = Path(shutil.copytree(asset / "data", tmp_path / "plans" / "data"))
+    code, output = run_cli("tasks", "lock", "--requirement", "runner-test-rechnen-env==0.1.0", "--out",
+                           str(plans.parent / "rechnen.lock"))
+    assert code == 0, output
+    plan = plans.parent / "plan.yaml"
+    plan.write_text(re.sub(r"package: \..*\n", "requirement: runner-test-rechnen-env==0.1.0\n    lock: rechnen.lock\n",
+                           (asset / "plan.yaml").read_text(), count=1))
+    return plan
+
+
+def test_an_asset_from_the_index_is_named_by_a_pinned_requirement_and_its_lock(asset, tmp_path, monkeypatch):
+    """Its dataset and answer key are the plan's files; the build installs the locked wheel (hash-checked) and
+    copies them beside it; the plan id covers the lock and the data."""
+    from runner._task_packages import build_native
+
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    plan_file = index_asset(asset, tmp_path, monkeypatch)
+    plan = load_plan(plan_file)
+    native = plan.task.native
+    assert native.package is None and native.name == "runner-test-rechnen-env" and native.data_dir == str(plan_file.parent)
+    assert get_family(plan.task.family).generate("train", 64, 1)  # rows read from beside the plan
+    built = build_native(plan)
+    assert list(built.glob("dependencies/rechnen_env/env.py")) and (built / "native-data" / "data" / "cases.jsonl").is_file()
+    code, output = run_cli("plan", "check", str(plan_file))
+    assert code == 0, output
+    cases = plan_file.parent / "data" / "cases.jsonl"
+    cases.write_text(cases.read_text() + cases.read_text().splitlines()[0].replace('"correct"', '"again"') + "\n")
+    assert load_plan(plan_file).task.native.sha256 != native.sha256
+    text = plan_file.read_text()
+    for change, message in [
+        ("    lock: rechnen.lock\n", "field task.native.lock: required with a requirement"),
+        ("runner-test-rechnen-env==0.1.0", "pin one version, name==version"),
+        ("data/rechnen.jsonl", "field task.native.dataset:"),
+    ]:
+        plan_file.write_text(text.replace(change, {"runner-test-rechnen-env==0.1.0": "runner-test-rechnen-env>=0.1",
+                                                   "data/rechnen.jsonl": "data/other.jsonl"}.get(change, ""), 1))
+        code, output = run_cli("plan", "check", str(plan_file))
+        assert code == 2 and message in " ".join(output.split()), (change, output)
+    plan_file.write_text(text.replace("    lock: rechnen.lock\n", "    lock: rechnen.lock\n    package: .\n", 1))
+    code, output = run_cli("plan", "check", str(plan_file))
+    assert code == 2 and "give a package (a path) or a requirement, not both" in output
 
 
 def test_an_edited_asset_is_another_plan(asset):

@@ -153,6 +153,24 @@ def test_a_nemo_gym_resources_server_runs_as_it_is(tmp_path):
     assert cases["tool-then-answer"]["stack_reward"] == 1.0 and cases["tool-call-last"]["stack_reward"] == 0.0
 
 
+def test_an_asset_from_the_package_index_runs_as_one_by_path_does(tmp_path, monkeypatch):
+    """The SkyRL example published as a wheel to a local index (PIP_FIND_LINKS) and named by its pinned
+    requirement and hashed lock: the stack's jobs import it from the built folder, and the service stage
+    scores its answer key."""
+    from test_native import index_asset
+
+    asset = Path(shutil.copytree(EXAMPLES / "skyrl-rechnen", tmp_path / "asset", ignore=shutil.ignore_patterns("__pycache__")))
+    plan = index_asset(asset, tmp_path, monkeypatch)
+    shutil.rmtree(asset)  # nothing is read from the source tree
+    run_dir = tmp_path / "run"
+    result, summary = qualify("skyrl-gym", plan, run_dir, "probe", "service")
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "runner-test-rechnen-env==0.1.0 from the index" in " ".join(result.stdout.split())
+    cases = {c["case"]: c for c in lines(run_dir / "stages" / "service" / "service.jsonl")
+             if json.loads(c["item"])["family"] == "rechnen"}
+    assert cases["correct"]["stack_reward"] == 1.0 and cases["wrong-then-correct"]["stack_reward"] == 0.5
+
+
 def broken_copy(example: str, tmp_path: Path, path: str, old: str, new: str) -> Path:
     folder = Path(shutil.copytree(EXAMPLES / example, tmp_path / example, ignore=shutil.ignore_patterns("__pycache__")))
     target = folder / path

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import stage_evidence
+from conftest import publish_to_local_index, stage_evidence
 
 from runner.api import UserError, load_plan, parse_lock
 
@@ -145,13 +145,7 @@ def test_a_package_from_the_index_is_named_by_a_pinned_requirement_and_its_lock(
     """The package index here is a folder of wheels (PIP_FIND_LINKS), as a team's private index would be
     configured for pip; the wheel is the example package built under another name."""
     example = copy_example(tmp_path)
-    pyproject = example / "pyproject.toml"
-    pyproject.write_text(pyproject.read_text().replace('name = "shop-tasks"', 'name = "runner-test-shop-tasks"'))
-    wheels = tmp_path / "index"
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                            str(wheels), str(example)], capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr
-    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    publish_to_local_index(example, "runner-test-shop-tasks", tmp_path / "index", monkeypatch)
     monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
     env = {**os.environ, "COLUMNS": "300"}
     plans = tmp_path / "plans"

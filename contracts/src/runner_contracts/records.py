@@ -52,25 +52,30 @@ class TaskPackage(Record, kw_only=True, omit_defaults=True):
 
 class NativeAsset(Record, kw_only=True, omit_defaults=True):
     """A team's own environment in one environment stack's native form (a SkyRL Gym env, an OpenEnv
-    Environment), named by the plan: `package` is the Python project that holds it, installed into that
-    stack's jobs only (never the host's); `module` is imported there first (it registers the env); `env`
-    names it (skyrl-gym: a registered id; openenv: `module:Class`); `kwargs` go to its constructor.
-    Episodes come from `dataset` (JSONL rows in the stack's own dataset format, inside the package) or,
-    without one, from seeds. `cases` is the asset's optional answer key: scripted turns with the reward
-    they must earn. The reward is the asset's own; an episode counts as solved at `success_reward` or
-    above. A tool environment that scores answers through a tool names it in `answer_tool`: a reply without
-    a tool call is submitted through it. The host fills in the package's absolute path and the sha256 of its tree, so the plan id
-    covers it."""
+    Environment, a Verifiers taskset), named by the plan and installed into that stack's jobs only (never the
+    host's): `package` is the Python project that holds it, by path; or `requirement` (name==version) with
+    `lock`, its hashed lock, installs it from the package index. `module` is imported there first (it
+    registers the env); `env` names it (skyrl-gym: a registered id; openenv: `module:Class`; verifiers: the
+    taskset id); `kwargs` go to its constructor or config. Episodes come from `dataset` (JSONL rows in the
+    stack's own dataset format, inside the package, or beside the plan for a requirement) or, without one,
+    from seeds. `cases` is the asset's optional answer key: scripted turns with the reward they must earn.
+    The reward is the asset's own; an episode counts as solved at `success_reward` or above. A tool
+    environment that scores answers through a tool names it in `answer_tool`: a reply without a tool call is
+    submitted through it. The host makes paths absolute and fills in the distribution name and a sha256 (of
+    the package's tree, or of the lock and data files), so the plan id covers the asset."""
 
     stack: str
-    package: str
     env: str
+    package: str | None = None
+    requirement: str | None = None
+    lock: str | None = None
     module: str | None = None
     kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
     dataset: str | None = None
     cases: str | None = None
     success_reward: float = 1.0
     answer_tool: str | None = None  # openenv: the tool a plain-text final answer is submitted through
+    data_dir: str | None = None  # a requirement's dataset and cases: the plan's folder (filled in by the host)
     name: str | None = None  # the package's distribution name (filled in by the host)
     sha256: Sha256 | None = None
 

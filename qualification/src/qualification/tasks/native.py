@@ -37,10 +37,9 @@ class NativeFamily:
         self.name = name
         self.native = native
         self.scorer_version = 1
-        self.package = Path(native.package)
-        # The host reads the package's own files; a job reads the copy built with the asset (the source may be
-        # outside what its sandbox or container shows).
-        self.data = Path(os.environ.get(NATIVE_DATA_VAR) or native.package)
+        # The host reads the package's own files (or, for an asset from the index, those beside the plan); a job
+        # reads the copy built with the asset (the source may be outside what its sandbox or container shows).
+        self.data = Path(os.environ.get(NATIVE_DATA_VAR) or native.data_dir or native.package)
         self._rows: dict[str, list[tuple[str, dict[str, Any]]]] | None = None
         self._cases: list[tuple[TaskItem, dict[str, Any]]] | None = None
 

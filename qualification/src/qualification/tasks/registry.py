@@ -63,7 +63,7 @@ def register(family: TaskFamily) -> None:
 def source_of(name: str) -> FamilySource:
     if name in _registered:
         native = getattr(_registered[name], "native", None)
-        where = f"{native.stack} native asset {native.env} ({native.package})" if native else "registered"
+        where = f"{native.stack} native asset {native.env} ({native.package or native.requirement})" if native else "registered"
         return FamilySource(name=name, reference=where, distribution=None, version=None)
     points = _entry_points()
     if name not in points:
