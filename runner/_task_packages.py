@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -27,8 +28,8 @@ from pathlib import Path
 import msgspec
 from packaging.requirements import InvalidRequirement, Requirement
 
-from qualification.tasks import use_plan
-from qualification.tasks.native import NATIVE_DATA
+from qualification.tasks import FamilyError, use_plan
+from qualification.tasks.native import NATIVE_DATA, dataset_rows
 from runner_contracts import NativeAsset, Plan, TaskPackage, write_atomic
 
 from ._engines.jobs import file_lock, tree_hash
@@ -210,12 +211,29 @@ def _build(packages: list[TaskPackage], target: Path | None, what: str, log, *, 
                 copy = out / NATIVE_DATA / relative
                 copy.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(data_from / relative, copy)
+                if copy.suffix == ".parquet":  # a job reads rows as JSON: no stack needs pyarrow for them
+                    copy.with_name(copy.name + ".jsonl").write_text("".join(_json_rows(data_from / relative)))
             for root, dirs, files in os.walk(out):  # jobs run as other users in containers: world-readable
                 os.chmod(root, 0o755)
                 for name in files:
                     os.chmod(os.path.join(root, name), 0o644)
             out.rename(target)
     return target
+
+
+def _json_rows(dataset: Path) -> list[str]:
+    """The dataset's rows as JSON lines; a file or row that cannot be read as JSON is the plan's error."""
+    try:
+        rows = dataset_rows(dataset)
+    except FamilyError as error:
+        raise UserError(f"field task.native.dataset: {error}") from None
+    lines = []
+    for where, _, row in rows:
+        try:
+            lines.append(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
+        except (TypeError, ValueError) as error:
+            raise UserError(f"field task.native.dataset: {where}: not a JSON value ({error})") from None
+    return lines
 
 
 def write_lock(package: Path, log=lambda message: None) -> Path:

@@ -181,3 +181,19 @@ def test_environment_arm_in_docker_talks_to_its_service_over_loopback_only(docke
     recovery = stage_evidence(run_dir, "rollout")["metrics"]["recovery"]
     assert recovery["killed_pids"] and recovery["lost"] == 0  # killed inside the service's container
     assert rollout_tokens(run_dir) == rollout_tokens(local_comparison[0] / "arms" / "openenv")
+
+
+def test_a_native_asset_runs_in_its_stacks_container(docker_host, tmp_path):
+    """The team's OpenEnv environment (examples/native/openenv-rechner), built on the host into its cached
+    folder and mounted read-only into the openenv container with its dataset copy: the service stage runs its
+    answer key there, its own tools and reward."""
+    run_dir = tmp_path / "native"
+    plan = ROOT / "examples" / "native" / "openenv-rechner" / "plan.yaml"
+    result = runner("qualify", "--stack", "openenv", "--plan", str(plan), "--engine", "docker", "--stages",
+                    "probe,service", "--run-dir", str(run_dir), "--json", env=docker_host)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    probe = stage_evidence(run_dir, "probe")
+    assert probe["environment"]["engine"] == "docker" and probe["environment"]["image"].startswith("runner-openenv:")
+    cases = [json.loads(line) for line in (run_dir / "stages" / "service" / "service.jsonl").read_text().splitlines()]
+    native = {c["case"]: c for c in cases if json.loads(c["item"])["family"] == "rechner"}
+    assert native["tool-then-answer"]["tool_calls"][0]["result"] == "2" and native["wrong-answer"]["stack_reward"] == 0.0

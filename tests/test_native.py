@@ -42,7 +42,7 @@ def run_cli(*args: str) -> tuple[int, str]:
     from runner.cli import app
 
     result = CliRunner().invoke(app, list(args))
-    return result.exit_code, result.output
+    return result.exit_code, result.output + (repr(result.exception) if result.exit_code == 1 else "")
 
 
 def test_the_dataset_is_split_by_a_stable_hash_and_frozen(asset):
@@ -111,6 +111,44 @@ def test_an_asset_from_the_index_is_named_by_a_pinned_requirement_and_its_lock(a
     plan_file.write_text(text.replace("    lock: rechnen.lock\n", "    lock: rechnen.lock\n    package: .\n", 1))
     code, output = run_cli("plan", "check", str(plan_file))
     assert code == 2 and "give a package (a path) or a requirement, not both" in output
+
+
+def test_a_parquet_dataset_gives_the_items_its_jsonl_gives_and_jobs_read_a_json_copy(asset, tmp_path, monkeypatch):
+    """SkyRL's own datasets are Parquet files (datasets' to_parquet); the host reads them with pyarrow, the
+    build writes a JSONL copy beside the copied file, and a job (RUNNER_NATIVE_DATA set) reads that."""
+    import pyarrow
+    import pyarrow.parquet
+
+    from qualification.tasks.native import NATIVE_DATA_VAR
+    from runner._task_packages import build_native
+
+    as_jsonl = get_family(load_plan(asset / "plan.yaml").task.family).generate("train", 64, 1)
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows(asset)), asset / "data" / "rechnen.parquet")
+    (asset / "data" / "rechnen.jsonl").unlink()
+    plan_file = asset / "plan.yaml"
+    plan_file.write_text(plan_file.read_text().replace("data/rechnen.jsonl", "data/rechnen.parquet"))
+    plan = load_plan(plan_file)
+    family = get_family(plan.task.family)
+    assert family.generate("train", 64, 1) == as_jsonl
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    built = build_native(plan)
+    assert (built / "native-data" / "data" / "rechnen.parquet.jsonl").is_file()
+    monkeypatch.setenv(NATIVE_DATA_VAR, str(built / "native-data"))
+    monkeypatch.setattr("builtins.__import__", _no_pyarrow(__import__))
+    assert type(family)(plan.task.family, plan.task.native).generate("train", 64, 1) == as_jsonl
+    (asset / "data" / "rechnen.parquet").write_bytes(b"PAR1")
+    monkeypatch.delenv(NATIVE_DATA_VAR)
+    monkeypatch.undo()
+    code, output = run_cli("plan", "check", str(plan_file))
+    assert code == 2 and "rechnen.parquet: not a readable Parquet file" in output, output
+
+
+def _no_pyarrow(real_import):
+    def guarded(name, *args, **kwargs):
+        if name.startswith("pyarrow"):
+            raise ImportError("a job's environment has no pyarrow")
+        return real_import(name, *args, **kwargs)
+    return guarded
 
 
 def test_an_edited_asset_is_another_plan(asset):

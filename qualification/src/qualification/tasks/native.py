@@ -194,30 +194,57 @@ def _json_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
     return rows
 
 
+def dataset_rows(path: Path) -> list[tuple[str, str, dict[str, Any]]]:
+    """(where for errors, its short name, row) of a native dataset: a .jsonl file, or a .parquet file (SkyRL's
+    own format; read with pyarrow on the host, from the JSONL copy built beside it in a job)."""
+    if path.suffix == ".jsonl":
+        return [(f"{path}:{number}", f"line {number}", row) for number, row in _json_lines(path)]
+    if path.suffix != ".parquet":
+        raise FamilyError(f"{path}: a native dataset is a .jsonl or .parquet file of the stack's own rows")
+    copy = path.with_name(path.name + ".jsonl")
+    if os.environ.get(NATIVE_DATA_VAR) and copy.is_file():
+        return [(f"{path}: row {number}", f"row {number}", row) for number, row in _json_lines(copy)]
+    try:
+        import pyarrow.parquet
+    except ImportError:
+        raise FamilyError(f"{path}: reading Parquet needs pyarrow: pip install 'runner[parquet]' (or convert the "
+                          "file to JSONL)") from None
+    try:
+        table = pyarrow.parquet.read_table(path)
+    except Exception as error:  # pyarrow raises ArrowInvalid, OSError and others for a bad file
+        raise FamilyError(f"{path}: not a readable Parquet file ({error})") from None
+    rows = [(f"{path}: row {index + 1}", f"row {index + 1}", row) for index, row in enumerate(table.to_pylist())]
+    if not rows:
+        raise FamilyError(f"{path}: no rows")
+    return rows
+
+
 def _read_dataset(path: Path) -> dict[str, list[tuple[str, dict[str, Any]]]]:
-    if path.suffix != ".jsonl":
-        raise FamilyError(f"{path}: a native dataset is a .jsonl file of the stack's own rows")
     by_split: dict[str, list[tuple[str, dict[str, Any]]]] = {}
-    seen: dict[str, int] = {}
-    questions: dict[str, tuple[str, int]] = {}
-    for number, row in _json_lines(path):
+    seen: dict[str, str] = {}
+    questions: dict[str, tuple[str, str]] = {}
+    for where, name, row in dataset_rows(path):
+        try:
+            json.dumps(row, allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise FamilyError(f"{where}: not a JSON value ({error}); rows travel to the stack as JSON") from None
         if prompt_of(row) is not None and not isinstance(prompt_of(row), (str, list)):
             field = "prompt" if "prompt" in row else "responses_create_params.input"
-            raise FamilyError(f"{path}:{number}: field {field}: expected a string or a list of messages")
+            raise FamilyError(f"{where}: field {field}: expected a string or a list of messages")
         if question_of(row).strip() == "":
-            raise FamilyError(f"{path}:{number}: field prompt: empty")
+            raise FamilyError(f"{where}: field prompt: empty")
         task_id = row_id(row)
         if task_id in seen:
-            raise FamilyError(f"{path}:{number}: field {ID_FIELD}: {task_id!r} repeats line {seen[task_id]}")
-        seen[task_id] = number
+            raise FamilyError(f"{where}: field {ID_FIELD}: {task_id!r} repeats {seen[task_id]}")
+        seen[task_id] = name
         split = split_of(task_id, row)
         if split not in ("train", "heldout"):
-            raise FamilyError(f"{path}:{number}: field {SPLIT_FIELD}: expected train or heldout, got {split!r}")
+            raise FamilyError(f"{where}: field {SPLIT_FIELD}: expected train or heldout, got {split!r}")
         question = question_of(row)
         if question in questions and questions[question][0] != split:
-            raise FamilyError(f"{path}:{number}: field prompt: the same prompt as line {questions[question][1]}, "
+            raise FamilyError(f"{where}: field prompt: the same prompt as {questions[question][1]}, "
                               f"which is in {questions[question][0]}: train and held-out would share an item")
-        questions.setdefault(question, (split, number))
+        questions.setdefault(question, (split, name))
         by_split.setdefault(split, []).append((task_id, row))
     return by_split
 
