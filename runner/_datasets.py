@@ -20,8 +20,10 @@ from typing import Any, Literal
 
 import msgspec
 
+from qualification.tasks import FamilyError
 from qualification.tasks.dataset import (MATH_LOCK, MATH_REQUIREMENT, SCORERS, letter, math_expression, number,
                                          run_tool, tool_row)
+from qualification.tasks.native import parquet_rows
 from runner_contracts import write_atomic
 
 from ._errors import UserError
@@ -164,15 +166,10 @@ def _records(path: Path) -> list[tuple[str, str, dict]]:
             return [(f"{path}:{index + 2}", f"line {index + 2}", row) for index, row in enumerate(csv.DictReader(handle))]
     if path.suffix == ".parquet":
         try:
-            import pyarrow.parquet
-        except ImportError:
-            raise UserError(f"{path}: reading Parquet needs pyarrow: pip install 'runner[parquet]' (or convert "
-                            "the file to JSONL)") from None
-        try:
-            table = pyarrow.parquet.read_table(path)
-        except Exception as error:  # pyarrow raises ArrowInvalid, OSError and others for a bad file
-            raise UserError(f"{path}: not a readable Parquet file ({error})") from None
-        return [(f"{path}: row {index + 1}", f"row {index + 1}", row) for index, row in enumerate(table.to_pylist())]
+            table = parquet_rows(path)
+        except FamilyError as error:
+            raise UserError(str(error)) from None
+        return [(f"{path}: row {index + 1}", f"row {index + 1}", row) for index, row in enumerate(table)]
     raise UserError(f"{path}: expected a .jsonl, .csv or .parquet file")
 
 

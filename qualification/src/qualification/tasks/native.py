@@ -204,19 +204,23 @@ def dataset_rows(path: Path) -> list[tuple[str, str, dict[str, Any]]]:
     copy = path.with_name(path.name + ".jsonl")
     if os.environ.get(NATIVE_DATA_VAR) and copy.is_file():
         return [(f"{path}: row {number}", f"row {number}", row) for number, row in _json_lines(copy)]
+    rows = [(f"{path}: row {index + 1}", f"row {index + 1}", row) for index, row in enumerate(parquet_rows(path))]
+    if not rows:
+        raise FamilyError(f"{path}: no rows")
+    return rows
+
+
+def parquet_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a Parquet file as Python values (pyarrow is optional: runner[parquet])."""
     try:
         import pyarrow.parquet
     except ImportError:
         raise FamilyError(f"{path}: reading Parquet needs pyarrow: pip install 'runner[parquet]' (or convert the "
                           "file to JSONL)") from None
     try:
-        table = pyarrow.parquet.read_table(path)
+        return pyarrow.parquet.read_table(path).to_pylist()
     except Exception as error:  # pyarrow raises ArrowInvalid, OSError and others for a bad file
         raise FamilyError(f"{path}: not a readable Parquet file ({error})") from None
-    rows = [(f"{path}: row {index + 1}", f"row {index + 1}", row) for index, row in enumerate(table.to_pylist())]
-    if not rows:
-        raise FamilyError(f"{path}: no rows")
-    return rows
 
 
 def _read_dataset(path: Path) -> dict[str, list[tuple[str, dict[str, Any]]]]:
