@@ -42,13 +42,17 @@ ENTRY_POINT_GROUP = "runner.task_families"
 LOCK_NAME = "requirements.lock"
 DEPENDENCIES = "dependencies"
 SITECUSTOMIZE = f'''"""Written by runner: the plan's task-package dependencies go after this environment's own packages,
-so a stack's own version of a distribution wins and they only fill in what it lacks."""
+so a stack's own version of a distribution wins and they only fill in what it lacks. Python imports the first
+sitecustomize on the path only, so this one appends the dependencies of every runner folder on the path (a
+plan's task packages and its native asset each have one)."""
 import os
 import sys
 
-_dependencies = os.path.join(os.path.dirname(os.path.abspath(__file__)), "{DEPENDENCIES}")
-if _dependencies not in sys.path:
-    sys.path.append(_dependencies)
+for _entry in list(sys.path):
+    _dependencies = os.path.join(_entry, "{DEPENDENCIES}")
+    if (_dependencies not in sys.path and os.path.isdir(_dependencies)
+            and os.path.isfile(os.path.join(_entry, "sitecustomize.py"))):
+        sys.path.append(_dependencies)
 '''
 
 

@@ -200,3 +200,25 @@ def test_the_sudoku_example_wraps_a_third_party_library_with_its_own_lock(tmp_pa
     digit = item.reference["digit"]
     assert family.score(item, Transcript(final_text=f"Answer: {digit}")).success
     assert not family.score(item, Transcript(final_text="Answer: 7")).success  # py-sudoku alone would accept it
+
+
+def test_the_dependencies_of_task_packages_and_a_native_asset_both_come_last(tmp_path):
+    """Python imports the first sitecustomize on the path only: the one runner writes appends the dependencies
+    of every runner folder on the path (task packages and a native asset), after the environment's own."""
+    from runner._task_packages import DEPENDENCIES, SITECUSTOMIZE
+
+    folders = []
+    for name in ("task-packages", "native-asset"):
+        folder = tmp_path / name
+        (folder / DEPENDENCIES).mkdir(parents=True)
+        (folder / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        (folder / DEPENDENCIES / f"{name.replace('-', '_')}_dependency.py").write_text("")
+        folders.append(str(folder))
+    probe = ("import json, sys, task_packages_dependency, native_asset_dependency; "
+             "print(json.dumps([p for p in sys.path if p.endswith(('dependencies', 'site-packages'))]))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(folders)})
+    assert result.returncode == 0, result.stderr
+    order = json.loads(result.stdout)
+    assert [Path(p).parent.name for p in order[-2:]] == ["task-packages", "native-asset"]
+    assert order[0].endswith("site-packages")
