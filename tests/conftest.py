@@ -150,3 +150,15 @@ def stand_in_checkpoint(folder: Path, weights: bytes = b"weights are only hashed
     (folder / "tokenizer.json").write_text("{}")
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": HERMES_TEMPLATE}))
     return folder
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A one-node Slurm on loopback for this module (tests/slurm_cluster.py), or a skip saying why not."""
+    from slurm_cluster import missing, slurm_cluster
+
+    reason = missing()
+    if reason:
+        pytest.skip(f"no Slurm for the cluster tests: {reason}")
+    with slurm_cluster() as running:
+        yield running

@@ -92,7 +92,7 @@ def test_export_writes_a_docker_archive_and_says_how_to_build_the_sif(docker_hos
     assert result.returncode == 2  # no Apptainer binary here: the archive is written, the SIF is not
     said = " ".join(result.stderr.split())
     assert "apptainer is not installed here" in said
-    assert f"apptainer build --force {archive.with_suffix('.sif')} docker-archive://{archive}" in said
+    assert f"apptainer build --force {tmp_path / 'trl.sif'} docker-archive://{archive}" in said
 
 
 def test_qualify_in_docker_passes_every_gate_with_image_stage_evidence(docker_run, trl_image):

@@ -216,13 +216,13 @@ def test_a_tool_that_hangs_fails_its_episodes_at_the_plans_episode_timeout(tmp_p
     timeout; the other cases and every file of the stage are kept."""
     plan = broken_copy("verifiers-rechner", tmp_path, "src/rechner_vf/tools.py", "        match = EXPRESSION.match(ausdruck)\n",
                        "        import time\n        time.sleep(3600)\n        match = EXPRESSION.match(ausdruck)\n")
-    plan.write_text(plan.read_text().replace("  max_turns: 3\n", "  max_turns: 3\n  episode_timeout_s: 8\n", 1))
+    plan.write_text(plan.read_text().replace("  max_turns: 3\n", "  max_turns: 3\n  episode_timeout_s: 4\n", 1))
     run_dir = tmp_path / "run"
     result, summary = qualify("verifiers", plan, run_dir, "probe", "service")
     assert result.returncode == 1 and summary["stages"]["service"] == "failed"
     cases = {(c["task_id"], c["case"]): c for c in lines(run_dir / "stages" / "service" / "service.jsonl")}
     hung = cases[("r000", "tool-then-answer")]
-    assert hung["status"] == "failed" and "no result after 8 s (episode_timeout_s)" in hung["error"]["message"]
+    assert hung["status"] == "failed" and "no result after 4 s (episode_timeout_s)" in hung["error"]["message"]
     assert len(cases) == 15  # every scripted case kept, the ones the restarts cost marked failed with their cause
     assert "episode_timeout_s" in gates(run_dir, "service")["service:scripted-episodes"]["detail"]
 

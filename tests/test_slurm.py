@@ -18,21 +18,11 @@ from pathlib import Path
 
 import pytest
 from conftest import CALC_PLAN, stage_evidence, wait_until
-from slurm_cluster import missing, slurm_cluster
 
 RUNNER = str(Path(sys.executable).parent / "runner")
 wait_for = functools.partial(wait_until, poll_s=0.5)  # most predicates run `runner status` (a process each)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    reason = missing()
-    if reason:
-        pytest.skip(f"no Slurm for the cluster tests: {reason}")
-    with slurm_cluster() as running:
-        yield running
 
 
 def runner(cluster, *args: str, env: dict[str, str] | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:

@@ -3,12 +3,13 @@
 Clusters run Apptainer, not Docker. A stack's SIF is built from its docker-archive (the same bytes
 the docker engine ran) or from the .def generated here; a job runs with --containall --cleanenv, the
 run directory bound read-write, inputs bound read-only, an environment allow-list, --nv for GPUs.
-No Apptainer binary exists on the machines this project is developed on, so these lines are tested
-against golden files (tests/golden/apptainer_*)."""
+The rendered lines are tested against golden files (tests/golden/apptainer_*) and run for real by the
+slow suite under a sid Apptainer (tests/apptainer_host.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import shutil
@@ -34,7 +35,7 @@ from .jobs import (
     write_request,
 )
 from .._errors import EngineError
-from .images import cached_sha256
+from .images import LABEL_LOCK, LABEL_STACK, cached_sha256
 from .._paths import cache_dir
 from .._stacks import StackManifest
 
@@ -91,8 +92,15 @@ class ApptainerEngine:
             raise EngineError(f"no SIF for {manifest.image_name} at {sif}; make it with `runner images export --stack "
                               f"{manifest.name} --to {'def' if manifest.variant == 'gpu' else 'sif'} --out "
                               f"{self.sif_dir}` (a .def is built into the SIF on the cluster)")
+        labels = sif_labels(self.binary, sif)
+        if labels.get(LABEL_STACK) != manifest.name:
+            raise EngineError(f"{sif} is not a runner image of the {manifest.name} stack (its {LABEL_STACK} label is "
+                              f"{labels.get(LABEL_STACK)!r}); make it with `runner images export --stack {manifest.name} "
+                              f"--to sif --out {self.sif_dir}`")
+        # The lock the SIF was built from, from its image's label: the probe's pins gate compares it with the stack's.
         return StackEnvironment(manifest=manifest, path=STACK_PREFIX, python_version=manifest.python,
-                                lock_sha256=manifest.lock_sha256, image=str(sif), image_digest="sha256:" + cached_sha256(sif))
+                                lock_sha256=labels.get(LABEL_LOCK, ""), image=str(sif),
+                                image_digest="sha256:" + cached_sha256(sif))
 
     def _command(self, env: StackEnvironment, request: StageRequest) -> tuple[list[str], Path]:
         out_dir, _ = write_request(request)
@@ -112,6 +120,17 @@ class ApptainerEngine:
         cmd, out_dir = self._command(env, request)
         return start_process_service(cmd, out_dir, {"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
                                      what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s)
+
+
+def sif_labels(binary: str, sif: Path) -> dict[str, str]:
+    """The SIF's labels (those of the image it was built from, plus Apptainer's own)."""
+    result = subprocess.run([binary, "inspect", "--labels", "--json", str(sif)], capture_output=True, text=True,
+                            check=False)
+    try:
+        return dict(json.loads(result.stdout)["data"]["attributes"]["labels"] or {})
+    except (ValueError, KeyError, TypeError):
+        raise EngineError(f"{binary} inspect --labels {sif} failed (exit {result.returncode}): "
+                          + " | ".join(result.stderr.strip().splitlines()[-3:])) from None
 
 
 def exec_command(job: ApptainerJob) -> list[str]:

@@ -36,6 +36,7 @@ from .._stacks import StackManifest, normalise, vcs_pins
 IMAGES_DIR = PROJECT_ROOT / "images"
 STACK_DEFINITION = IMAGES_DIR / "stack.Containerfile"
 LABEL_STACK = "runner.stack"
+LABEL_LOCK = "runner.lock.sha256"
 CONTAINER_ENGINES = ("docker", "podman")
 
 
@@ -385,7 +386,7 @@ def stack_image(client: Any, reference: str) -> StackImage:
     if LABEL_STACK not in labels:
         raise UserError(f"image {reference!r} carries no {LABEL_STACK} label: not built by `runner images build`")
     return StackImage(stack=labels[LABEL_STACK], tag=reference, digest=image.id, python=labels.get("runner.python", ""),
-                      lock_sha256=labels.get("runner.lock.sha256", ""))
+                      lock_sha256=labels.get(LABEL_LOCK, ""))
 
 
 def list_stack_images(client: Any) -> list[dict[str, Any]]:
@@ -396,7 +397,7 @@ def list_stack_images(client: Any) -> list[dict[str, Any]]:
             rows.append({"stack": labels.get(LABEL_STACK), "tag": tag, "digest": image.id,
                          "size_mb": round(image.attrs.get("Size", 0) / 1e6, 1), "created": image.attrs.get("Created"),
                          "upstream": f"{labels.get('runner.upstream')}=={labels.get('runner.upstream.version')}",
-                         "lock_sha256": labels.get("runner.lock.sha256", "")})
+                         "lock_sha256": labels.get(LABEL_LOCK, "")})
     return sorted(rows, key=lambda row: (row["stack"] or "", row["created"] or ""))
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+from runner_contracts import write_atomic
 
 from .._engines.apptainer import build_from_archive_command, build_from_definition_command, definition, run_build
 from .._errors import UserError
@@ -127,9 +128,16 @@ def export(
         if image is None:
             image = build_stack_image(client, manifest, log=lambda message: err_console.print(f"[dim]{message}[/]")).tag
         record = stack_image(client, image)
+        sif = out / f"{manifest.image_name}.sif"  # the name the apptainer engine runs (RUNNER_SIF_DIR=out)
+        built_from = sif.with_name(sif.name + ".image")  # the digest of the image the SIF was built from
+        if to == "sif" and sif.is_file() and built_from.is_file() and built_from.read_text() == record.digest:
+            console.print(f"sif: {sif} (built from {record.tag}, {record.digest[:19]}; unchanged)", highlight=False)
+            return
         archive = save_docker_archive(client, record.tag, out / f"{record.tag.replace(':', '-')}.tar")
         console.print(f"docker-archive: {archive}", highlight=False)
         if to == "sif":
-            sif = archive.with_suffix(".sif")
+            built_from.unlink(missing_ok=True)
             run_build(build_from_archive_command(sif, archive, apptainer))
+            write_atomic(built_from, record.digest.encode())
+            archive.unlink()  # the SIF holds the same bytes; the archive is as large again
             console.print(f"sif: {sif}", highlight=False)

@@ -1,0 +1,146 @@
+"""Apptainer for real: Apptainer 1.4.5 from a sid root filesystem, run unprivileged (tests/apptainer_host.py,
+the test harness that stands in for a cluster's own `apptainer`). The trl and openenv images, built under
+the test Docker Engine, become SIFs through `runner images export --to sif`; `runner qualify --engine
+apptainer` then runs an environment arm on the probe, service and rollout stages, the trainer's jobs from
+trl's SIF and the rollout service from openenv's, meeting on 127.0.0.1 (the shortest stages that exercise
+both SIFs, the service and the injected crash; training in a container is the docker suite's).
+
+Slow: the root filesystem (~50 s), each SIF (~2 min cold) and the images are cached under the runner cache
+(SIFs by the digest of the image they were built from)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from apptainer_host import launcher, missing
+from conftest import CALC_PLAN, stage_evidence
+from container_daemons import docker_daemon
+from container_daemons import missing as missing_tools
+
+from runner._paths import cache_dir
+
+RUNNER = str(Path(sys.executable).parent / "runner")
+
+pytestmark = pytest.mark.slow
+
+
+def runner(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([RUNNER, *args], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "400", **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def apptainer() -> Path:
+    reason = missing() or missing_tools("dockerd", "debootstrap")
+    if reason:
+        pytest.skip(f"no Apptainer for these tests: {reason}")
+    return launcher()
+
+
+@pytest.fixture(scope="module")
+def sif_env(apptainer) -> dict[str, str]:
+    """RUNNER_APPTAINER and RUNNER_SIF_DIR with the trl and openenv SIFs exported into it."""
+    sif_dir = cache_dir() / "sif"
+    with docker_daemon() as url:
+        for stack in ("trl", "openenv"):
+            result = runner("images", "export", "--stack", stack, "--to", "sif", "--out", str(sif_dir),
+                            "--apptainer", str(apptainer), env={"DOCKER_HOST": url})
+            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+            assert f"sif: {sif_dir / (stack + '.sif')}" in result.stdout
+    return {"RUNNER_APPTAINER": str(apptainer), "RUNNER_SIF_DIR": str(sif_dir)}
+
+
+def test_an_environment_arm_runs_from_its_sif_and_the_trainers(sif_env, tmp_path):
+    run_dir = tmp_path / "openenv"
+    result = runner("qualify", "--stack", "openenv", "--plan", str(CALC_PLAN), "--engine", "apptainer", "--stages",
+                    "probe,service,rollout", "--run-dir", str(run_dir), "--json", env=sif_env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stages"] == dict.fromkeys(("probe", "service", "rollout"), "passed")
+    probe = stage_evidence(run_dir, "probe")
+    sif = Path(sif_env["RUNNER_SIF_DIR"]) / "openenv.sif"
+    assert probe["environment"]["engine"] == "apptainer" and probe["environment"]["image"] == str(sif)
+    pins = {gate["name"]: gate for gate in probe["gates"]}["probe:pins"]
+    assert pins["passed"], pins  # the SIF's lock label is the stack's lock
+    # what a job could reach under --containall, as measured (network is the site's business under Apptainer)
+    reach = probe["metrics"]["reach"]
+    assert (reach["write_inputs"], reach["write_outside_run_dir"]) == (False, False)
+    recovery = stage_evidence(run_dir, "rollout")["metrics"]["recovery"]
+    assert recovery["killed_pids"] and recovery["lost"] == 0  # the crash was injected inside openenv's SIF
+
+
+def test_a_sif_is_checked_by_its_labels_before_any_job(apptainer, tmp_path, monkeypatch):
+    """A SIF of another stack under a stack's name is refused naming both; a SIF's lock label is what the
+    probe's pins gate compares with the stack's lock (a SIF built from another lock fails it)."""
+    from runner._engines.apptainer import ApptainerEngine
+    from runner._errors import EngineError
+    from runner.api import get_stack
+
+    folder = tmp_path / "sif"
+    folder.mkdir()
+    os.chmod(folder, 0o777)
+
+    def labelled(name: str, labels: dict[str, str]) -> Path:
+        definition = folder / f"{name}.def"
+        definition.write_text("Bootstrap: scratch\n\n%labels\n" + "".join(f"    {k} {v}\n" for k, v in labels.items()))
+        built = subprocess.run([str(apptainer), "build", "--force", str(folder / f"{name}.sif"), str(definition)],
+                               capture_output=True, text=True)
+        assert built.returncode == 0, built.stderr
+        return folder / f"{name}.sif"
+
+    monkeypatch.setenv("RUNNER_APPTAINER", str(apptainer))
+    monkeypatch.setenv("RUNNER_SIF_DIR", str(folder))
+    labelled("trl", {"runner.stack": "openenv", "runner.lock.sha256": "0" * 64})
+    with pytest.raises(EngineError, match=r"trl.sif is not a runner image of the trl stack \(its runner.stack label "
+                                          r"is 'openenv'\)"):
+        ApptainerEngine().prepare(get_stack("trl"))
+    labelled("trl", {"runner.stack": "trl", "runner.lock.sha256": "0" * 64})
+    assert ApptainerEngine().prepare(get_stack("trl")).lock_sha256 == "0" * 64 != get_stack("trl").lock_sha256
+
+
+def test_an_arm_on_slurm_runs_from_its_sifs_and_survives_a_requeue(cluster, sif_env, tmp_path):
+    """`runner qualify --executor slurm --engine apptainer`: the sbatch job runs every stage's jobs through
+    the profile's apptainer and SIF folder; requeued mid-update (scontrol requeue), the job resumes from the
+    last complete checkpoint inside the SIF and passes the boundary audit; `runner status` follows it."""
+    from conftest import wait_until
+
+    profile = tmp_path / "cluster.toml"
+    profile.write_text(f'apptainer = "{sif_env["RUNNER_APPTAINER"]}"\nsif_dir = "{sif_env["RUNNER_SIF_DIR"]}"\n')
+    plan = tmp_path / "plan.yaml"  # four update steps, so the job is requeued between two checkpoints
+    plan.write_text(CALC_PLAN.read_text().replace("update_steps: 2", "update_steps: 4"))
+    run_dir = tmp_path / "openenv"
+    environment = {**cluster.env}
+    submitted = runner("qualify", "--stack", "openenv", "--plan", str(plan), "--executor", "slurm", "--engine",
+                       "apptainer", "--cluster", str(profile), "--stages", "probe,update", "--no-follow",
+                       "--run-dir", str(run_dir), "--json", env=environment)
+    assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
+    job_id = json.loads(submitted.stdout)["jobs"][0]["job_id"]
+
+    def status() -> dict:
+        return json.loads(runner("status", str(run_dir), "--json", env=environment).stdout)
+
+    wait_until(lambda: (run_dir / "stages" / "update" / "checkpoints" / "checkpoint-1" / "COMPLETE").is_file()
+               or status()["finished"], "the first update checkpoint", 1200, poll_s=0.5)
+    assert not status()["finished"], status()
+    slurm_env = {**os.environ, **cluster.env}
+    subprocess.run(["scontrol", "requeue", job_id], check=True, env=slurm_env)
+    # As in test_slurm: release the requeued job once the second of its requeue has passed.
+    wait_until(lambda: status()["jobs"][0]["reason"] == "BeginTime", "the requeued job to be pending", 60, poll_s=0.5)
+    requeued_at = time.time()
+    wait_until(lambda: time.time() >= requeued_at + 1.05, "the second of the requeue to pass", 5, poll_s=0.05)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, env=slurm_env)
+    wait_until(lambda: status()["finished"] and status()["jobs"][0]["restarts"] >= 1, "the requeued job to finish",
+               1200, poll_s=1)
+    job = status()["jobs"][0]
+    assert job["state"] == "COMPLETED", job
+    probe = stage_evidence(run_dir, "probe")
+    assert probe["status"] == "passed" and probe["environment"]["engine"] == "apptainer"
+    update = stage_evidence(run_dir, "update")
+    assert update["status"] == "passed", [g for g in update["gates"] if not g["passed"]]
+    assert {"requeue:same-order", "requeue:same-tokens", "requeue:same-final-weights"} <= {g["name"] for g in update["gates"]}
