@@ -302,7 +302,7 @@ try:
         killed = None
         if step:
             module = [TOOL_SERVER_MODULE, FORK_SERVER_MODULE][step - 1]
-            killed = [pid for pid, _ in _tree(backend._server.process.pid) if module in _cmdline(pid)]
+            killed = [pid for pid, _ in _tree(backend.environment_pids()[0]) if module in _cmdline(pid)]
             os.kill(killed[0], signal.SIGKILL)
         request = RolloutRequest(episodes=[msgspec.convert(e, EpisodeSpec) for e in batch],
                                  policy_base_url=args["base_url"], policy_model=args["model"],
