@@ -89,6 +89,14 @@ def _daemon(store: Path, prefix: str, what: str, command, env: dict[str, str] | 
             _unmount_under(scratch)
 
 
+def copy_stacks(target: Path) -> Path:
+    """The stack folders, copied: `images build` and `images export` record digests in pins.json, and the
+    repository stays clean. Same contents, same image tags."""
+    shutil.copytree(Path(__file__).resolve().parents[1] / "stacks", target,
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    return target
+
+
 def docker_daemon():
     """A dockerd on its own unix socket; yields the DOCKER_HOST url."""
     store = cache_dir() / "docker"

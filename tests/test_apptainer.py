@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from apptainer_host import launcher, missing
 from conftest import CALC_PLAN, stage_evidence
-from container_daemons import docker_daemon
+from container_daemons import copy_stacks, docker_daemon
 from container_daemons import missing as missing_tools
 
 from runner._paths import cache_dir
@@ -44,16 +44,31 @@ def apptainer() -> Path:
 
 
 @pytest.fixture(scope="module")
-def sif_env(apptainer) -> dict[str, str]:
-    """RUNNER_APPTAINER and RUNNER_SIF_DIR with the trl and openenv SIFs exported into it."""
+def sif_env(apptainer, tmp_path_factory) -> dict[str, str]:
+    """RUNNER_APPTAINER and RUNNER_SIF_DIR with the trl and openenv SIFs exported into it, and
+    RUNNER_STACKS_DIR, a copy of the stacks (an export records the SIF's sha256 in pins.json; same contents,
+    same image tags)."""
     sif_dir = cache_dir() / "sif"
+    stacks = copy_stacks(tmp_path_factory.mktemp("apptainer") / "stacks")
+    env = {"RUNNER_APPTAINER": str(apptainer), "RUNNER_SIF_DIR": str(sif_dir), "RUNNER_STACKS_DIR": str(stacks)}
     with docker_daemon() as url:
         for stack in ("trl", "openenv"):
             result = runner("images", "export", "--stack", stack, "--to", "sif", "--out", str(sif_dir),
-                            "--apptainer", str(apptainer), env={"DOCKER_HOST": url})
+                            "--apptainer", str(apptainer), env={**env, "DOCKER_HOST": url})
             assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
             assert f"sif: {sif_dir / (stack + '.sif')}" in result.stdout
-    return {"RUNNER_APPTAINER": str(apptainer), "RUNNER_SIF_DIR": str(sif_dir)}
+    return env
+
+
+def test_a_sifs_sha256_is_recorded_in_the_stacks_pins(sif_env):
+    from runner._engines.images import cached_sha256
+
+    sif = Path(sif_env["RUNNER_SIF_DIR"]) / "openenv.sif"
+    pins = json.loads((Path(sif_env["RUNNER_STACKS_DIR"]) / "openenv" / "pins.json").read_text())
+    recorded = {tag: image for tag, image in pins["images"].items() if image["engine"] == "apptainer"}
+    built_from = (sif.with_name(sif.name + ".image")).read_text()
+    assert [image["digest"] for image in recorded.values()] == ["sha256:" + cached_sha256(sif)], recorded
+    assert all(tag.endswith(".sif") for tag in recorded) and built_from.startswith("sha256:")
 
 
 def test_an_environment_arm_runs_from_its_sif_and_the_trainers(sif_env, tmp_path):
@@ -68,9 +83,12 @@ def test_an_environment_arm_runs_from_its_sif_and_the_trainers(sif_env, tmp_path
     assert probe["environment"]["engine"] == "apptainer" and probe["environment"]["image"] == str(sif)
     pins = {gate["name"]: gate for gate in probe["gates"]}["probe:pins"]
     assert pins["passed"], pins  # the SIF's lock label is the stack's lock
-    # what a job could reach under --containall, as measured (network is the site's business under Apptainer)
-    reach = probe["metrics"]["reach"]
-    assert (reach["write_inputs"], reach["write_outside_run_dir"]) == (False, False)
+    # What a job could reach under --containall, as measured and reported: its inputs are read-only; the network
+    # is the node's unless the site allows `--net` (here it reached pypi.org), and /tmp is Apptainer's private
+    # one for the container (writable, discarded), unlike Docker's, so both read as reachable.
+    for reach in (probe["metrics"]["reach"], probe["metrics"]["trainer"]["reach"]):
+        assert reach["write_inputs"] is False and reach["inputs"]
+        assert {"outbound_tcp", "write_outside_run_dir"} <= set(reach)
     recovery = stage_evidence(run_dir, "rollout")["metrics"]["recovery"]
     assert recovery["killed_pids"] and recovery["lost"] == 0  # the crash was injected inside openenv's SIF
 

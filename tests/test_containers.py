@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import CALC_PLAN, rollout_tokens, stage_evidence
-from container_daemons import docker_daemon, missing, podman_service
+from container_daemons import copy_stacks, docker_daemon, missing, podman_service
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(Path(sys.executable).parent / "runner")
@@ -36,13 +35,6 @@ def runner(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
 def checked(result: subprocess.CompletedProcess) -> dict:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return json.loads(result.stdout)
-
-
-def copy_stacks(target: Path) -> Path:
-    """The stack folders, copied: `images build` records digests in pins.json, and the repository stays clean.
-    Same contents, same image tags."""
-    shutil.copytree(ROOT / "stacks", target, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    return target
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from .._engines.images import (
     context_inputs,
     base_for,
     build_stack_image,
+    cached_sha256,
     connect,
     extra_ca_certificates,
     list_stack_images,
@@ -131,7 +132,9 @@ def export(
         sif = out / f"{manifest.image_name}.sif"  # the name the apptainer engine runs (RUNNER_SIF_DIR=out)
         built_from = sif.with_name(sif.name + ".image")  # the digest of the image the SIF was built from
         if to == "sif" and sif.is_file() and built_from.is_file() and built_from.read_text() == record.digest:
-            console.print(f"sif: {sif} (built from {record.tag}, {record.digest[:19]}; unchanged)", highlight=False)
+            digest = "sha256:" + cached_sha256(sif)
+            record_image(manifest, "apptainer", f"{record.tag}.sif", digest, record.lock_sha256)
+            console.print(f"sif: {sif} ({digest}; built from {record.tag}, unchanged)", highlight=False)
             return
         archive = save_docker_archive(client, record.tag, out / f"{record.tag.replace(':', '-')}.tar")
         console.print(f"docker-archive: {archive}", highlight=False)
@@ -140,4 +143,6 @@ def export(
             run_build(build_from_archive_command(sif, archive, apptainer))
             write_atomic(built_from, record.digest.encode())
             archive.unlink()  # the SIF holds the same bytes; the archive is as large again
-            console.print(f"sif: {sif}", highlight=False)
+            digest = "sha256:" + cached_sha256(sif)
+            record_image(manifest, "apptainer", f"{record.tag}.sif", digest, record.lock_sha256)
+            console.print(f"sif: {sif} ({digest})", highlight=False)
