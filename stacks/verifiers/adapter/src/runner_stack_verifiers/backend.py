@@ -86,6 +86,7 @@ class VerifiersBackend(RolloutBackend):
         self.native = native
         self.max_turns = max_turns  # a native taskset's turn cap (our tasks carry their own)
         self._native_tasks: dict[str, Any] | None = None  # task id -> the native taskset's task
+        self._native_tool_modules: list[str] = []  # the modules of its toolsets' MCP servers
         self._in_flight = 0
         self.log_dir = Path(log_dir) if log_dir is not None else Path.cwd()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -243,7 +244,7 @@ class VerifiersBackend(RolloutBackend):
                 self._retire(server)
                 server = self._spawn(kind)
                 self._servers[kind] = server
-            elif server is None and kind not in self._servers and kind == TASKS:
+            elif server is None and kind == TASKS:
                 server = self._ensure(TASKS)  # a native plan's retention probe: our taskset, started on first use
             if server is None or not server.alive():
                 raise EnvironmentDown("the verifiers env server is not running")
