@@ -175,6 +175,29 @@ def test_environment_arm_in_docker_talks_to_its_service_over_loopback_only(docke
     assert rollout_tokens(run_dir) == rollout_tokens(local_comparison[0] / "arms" / "openenv")
 
 
+@pytest.mark.parametrize("stack", ["nemo-gym", "verifiers", "lightning-verl", "skyrl-gym"])
+def test_every_environment_stack_runs_its_arm_from_its_own_image(docker_host, local_comparison, stack, tmp_path):
+    """The other four stacks' images, each on the base that has its Python (lightning-verl: Ubuntu noble's
+    3.12; nemo-gym: Debian sid's 3.13, which satisfies its declared >=3.13.14, so the deviation its local
+    environment on 3.13.0 records is gone): digest written to pins.json, probe, service and rollout with the
+    crash injected in the container, and the same tokens as the local engine's arm."""
+    from runner.api import get_stack
+
+    image = checked(runner("images", "build", "--stack", stack, "--engine", "docker", "--json", env=docker_host))
+    pins = json.loads((Path(docker_host["RUNNER_STACKS_DIR"]) / stack / "pins.json").read_text())
+    assert pins["images"][image["tag"]]["digest"] == image["digest"]
+    run_dir = tmp_path / stack
+    result = runner("qualify", "--stack", stack, "--plan", str(CALC_PLAN), "--engine", "docker", "--stages",
+                    "probe,service,rollout", "--run-dir", str(run_dir), "--json", env=docker_host)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    environment = stage_evidence(run_dir, "probe")["environment"]
+    assert environment["image_digest"] == image["digest"]
+    assert environment["python"].startswith(get_stack(stack).python + ".") and environment["deviations"] == []
+    recovery = stage_evidence(run_dir, "rollout")["metrics"]["recovery"]
+    assert recovery["killed_pids"] and recovery["lost"] == 0
+    assert rollout_tokens(run_dir) == rollout_tokens(local_comparison[0] / "arms" / stack)
+
+
 def test_a_native_asset_runs_in_its_stacks_container(docker_host, tmp_path):
     """The team's OpenEnv environment (examples/native/openenv-rechner), built on the host into its cached
     folder and mounted read-only into the openenv container with its dataset copy: the service stage runs its

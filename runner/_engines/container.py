@@ -109,7 +109,10 @@ class ContainerEngine:
         if os.geteuid() == 0:
             _chown_tree(out_dir, *CONTAINER_USER)
         _check_readable(run_dir, user)
-        volumes = {str(run_dir): {"bind": str(run_dir), "mode": "rw"}}
+        # /tmp is the job's own TMPDIR in its stage folder, as under the local sandbox: upstreams that write to
+        # /tmp by name (verifiers' tool servers put their port files there) work, and nothing leaves the run.
+        volumes = {str(run_dir): {"bind": str(run_dir), "mode": "rw"},
+                   environment["TMPDIR"]: {"bind": "/tmp", "mode": "rw"}}
         for path in read_only_inputs(request, env.manifest.name, outside=run_dir):
             _check_readable(path, user)
             volumes[str(path)] = {"bind": str(path), "mode": "ro"}
@@ -117,8 +120,8 @@ class ContainerEngine:
         options: dict[str, Any] = dict(
             image=env.image, command=[env.manifest.adapter, str(request_path)], working_dir=str(out_dir),
             environment=environment, user=user, volumes=volumes, read_only=True,
-            # Podman mounts writable tmpfs on /tmp and /var/tmp of a read-only container; these stay read-only.
-            tmpfs={"/tmp": "ro,size=64k", "/var/tmp": "ro,size=64k"},
+            # Podman mounts a writable tmpfs on /var/tmp of a read-only container; this one stays read-only.
+            tmpfs={"/var/tmp": "ro,size=64k"},
             network_mode=f"container:{peer.container.id}" if peer is not None else "none",
             cap_drop=["ALL"], security_opt=["no-new-privileges"],
             labels={"runner.run-id": request.run_id, "runner.stage": request.stage, "runner.stack": request.stack,

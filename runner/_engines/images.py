@@ -21,6 +21,7 @@ import tarfile
 import tempfile
 import time
 import tomllib
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,16 @@ def connect(engine: str) -> Any:
 
 
 @dataclass(frozen=True)
+class Keyring:
+    """An archive keyring debootstrap checks the suite's Release with, taken from a keyring package
+    pinned by sha256 (the host's own keyrings are Debian's)."""
+
+    deb: str  # the package's URL
+    sha256: str
+    file: str  # the keyring's path inside the package
+
+
+@dataclass(frozen=True)
 class BaseDefinition:
     name: str
     flavour: str  # cpu | gpu
@@ -87,13 +98,18 @@ class BaseDefinition:
     suite: str | None = None
     mirror: str | None = None
     packages: tuple[str, ...] = ()
+    components: tuple[str, ...] = ()
+    script: str | None = None  # debootstrap's script, where the suite has none of its own
+    keyring: Keyring | None = None
     image: str | None = None  # gpu: the CUDA image by digest
     definition: Path | None = None
 
     @property
     def key(self) -> str:
-        digest = hashlib.sha256(json.dumps([self.name, self.flavour, self.python, self.suite, self.mirror,
-                                            list(self.packages), self.image]).encode())
+        recipe = [self.name, self.flavour, self.python, self.suite, self.mirror, list(self.packages), self.image]
+        if self.components or self.script or self.keyring:
+            recipe += [list(self.components), self.script, self.keyring and self.keyring.sha256]
+        digest = hashlib.sha256(json.dumps(recipe).encode())
         if self.definition is not None:
             digest.update(self.definition.read_bytes())
         return digest.hexdigest()[:16]
@@ -110,10 +126,15 @@ def load_bases(path: Path = IMAGES_DIR / "bases.toml") -> dict[str, BaseDefiniti
         missing = [key for key in ("flavour", "python") if key not in entry]
         if missing:
             raise UserError(f"{path}: [{name}] is missing {', '.join(missing)}")
+        keyring = entry.get("keyring")
+        if keyring is not None and not (isinstance(keyring, dict) and {"deb", "sha256", "file"} <= keyring.keys()):
+            raise UserError(f"{path}: [{name}] keyring: expected a table with deb, sha256 and file")
         bases[name] = BaseDefinition(
             name=name, flavour=entry["flavour"], python=str(entry["python"]), suite=entry.get("suite"),
-            mirror=entry.get("mirror"), packages=tuple(entry.get("packages", ())), image=entry.get("image"),
-            definition=IMAGES_DIR / entry["definition"] if entry.get("definition") else None)
+            mirror=entry.get("mirror"), packages=tuple(entry.get("packages", ())),
+            components=tuple(entry.get("components", ())), script=entry.get("script"),
+            keyring=Keyring(**{k: keyring[k] for k in ("deb", "sha256", "file")}) if keyring else None,
+            image=entry.get("image"), definition=IMAGES_DIR / entry["definition"] if entry.get("definition") else None)
     return bases
 
 
@@ -170,9 +191,8 @@ def _debootstrap_tarball(base: BaseDefinition, log: Callable[[str], None]) -> Pa
     with tempfile.TemporaryDirectory(dir=target.parent, prefix="rootfs-") as scratch:
         rootfs = Path(scratch) / "rootfs"
         log(f"debootstrap {base.suite} into {rootfs} (about a minute)")
-        cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(base.packages)}", str(base.suite),
-               str(rootfs), str(base.mirror)]
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        keyring = _keyring_file(base.keyring, Path(scratch)) if base.keyring is not None else None
+        result = subprocess.run(debootstrap_command(base, rootfs, keyring), capture_output=True, text=True, check=False)
         if result.returncode != 0:
             tail = "\n".join((result.stdout + result.stderr).splitlines()[-10:])
             raise EngineError(f"debootstrap failed (exit {result.returncode}):\n{tail}")
@@ -187,6 +207,39 @@ def _debootstrap_tarball(base: BaseDefinition, log: Callable[[str], None]) -> Pa
             archive.add(rootfs, arcname=".")
         os.replace(partial, target)
     return target
+
+
+def debootstrap_command(base: BaseDefinition, rootfs: Path, keyring: Path | None) -> list[str]:
+    """The debootstrap line that makes a CPU base's root filesystem."""
+    cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(base.packages)}"]
+    if base.components:
+        cmd.append(f"--components={','.join(base.components)}")
+    if keyring is not None:
+        cmd.append(f"--keyring={keyring}")
+    cmd += [str(base.suite), str(rootfs), str(base.mirror)]
+    if base.script:
+        cmd.append(f"/usr/share/debootstrap/scripts/{base.script}")
+    return cmd
+
+
+def _keyring_file(keyring: Keyring, scratch: Path) -> Path:
+    """The keyring file out of its package, fetched once into the cache and checked against its sha256."""
+    package = cache_dir() / "images" / "keyrings" / f"{keyring.sha256}.deb"
+    if not package.is_file():
+        package.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with urllib.request.urlopen(keyring.deb, timeout=60) as reply:
+                data = reply.read()
+        except OSError as error:
+            raise EngineError(f"fetching the archive keyring {keyring.deb}: {error}") from None
+        if hashlib.sha256(data).hexdigest() != keyring.sha256:
+            raise EngineError(f"{keyring.deb}: sha256 {hashlib.sha256(data).hexdigest()}, bases.toml pins {keyring.sha256}")
+        write_atomic(package, data)
+    unpacked = scratch / "keyring"
+    subprocess.run(["dpkg-deb", "-x", str(package), str(unpacked)], check=True, capture_output=True)
+    if not (unpacked / keyring.file).is_file():
+        raise EngineError(f"{keyring.deb} holds no {keyring.file}")
+    return unpacked / keyring.file
 
 
 def _build_gpu_base(client: Any, base: BaseDefinition, log: Callable[[str], None]) -> str:

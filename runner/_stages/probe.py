@@ -29,7 +29,7 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
     environment = msgspec.structs.replace(
         reported, engine=arm.engine.name, image=env.image, image_digest=env.image_digest,
         lock_sha256=env.lock_sha256, packages=installed,
-        deviations=list(manifest.deviations),
+        deviations=[*manifest.deviations, *reported.deviations],  # declared, then measured in the environment
         upstream=reported.upstream and msgspec.structs.replace(
             reported.upstream, git_revision=upstream_revision(manifest)[0]))
     missing_caps = sorted(set(manifest.capabilities) - set(result.capabilities) - {"build-policy"})

@@ -234,7 +234,27 @@ def environment_info(upstream_name: str, gpus: list[str] | None = None) -> Envir
         engine="", python=platform.python_version(), packages=packages,
         upstream=Upstream(name=upstream_name, version=packages.get(upstream_name.lower().replace("_", "-"), "")),
         hardware=Hardware(cpu=cpu_name(), cpu_count=os.cpu_count() or 0, gpus=gpus or []),
+        deviations=python_deviations(),
     )
+
+
+def python_deviations() -> list[str]:
+    """Installed distributions whose declared Requires-Python excludes this interpreter (pip's
+    --ignore-requires-python lets such a release in), measured from their metadata."""
+    try:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    except ImportError:  # not every stack locks packaging; pip's copy is in every venv
+        from pip._vendor.packaging.specifiers import InvalidSpecifier, SpecifierSet
+    running = platform.python_version()
+    found = []
+    for dist in importlib.metadata.distributions():
+        declared = dist.metadata.get("Requires-Python")
+        try:
+            if declared and not SpecifierSet(declared).contains(running, prereleases=True):
+                found.append(f"{dist.metadata['Name']} {dist.version} declares Python {declared}; runs on {running}")
+        except InvalidSpecifier:
+            continue
+    return sorted(set(found))
 
 
 def reachability(read_only_inputs: list[str] | tuple[str, ...] = (), host: str = "pypi.org",
