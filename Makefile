@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 TEST_STAMP = $(VENV)/.installed-test
 BENCH_STAMP = $(VENV)/.installed-bench
 
-.PHONY: demo test test-fast bench schema lint clean python-deps system-deps
+.PHONY: demo test test-fast test-engines bench schema lint clean python-deps system-deps
 
 # Host environment: the runner CLI, contracts, tasks/gates (no torch, no upstream stacks); the suite adds
 # its test tools.
@@ -54,6 +54,10 @@ test: system-deps $(TEST_STAMP)
 
 test-fast: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -ra -m 'not slow'
+
+# Every stack compared under Podman as well as Docker (~15 min more than the suite's budget holds).
+test-engines: system-deps $(TEST_STAMP)
+	RUNNER_TEST_ALL_ENGINES=1 $(BIN)/python -m pytest -q -ra tests/test_containers.py
 
 bench: system-deps $(BENCH_STAMP)
 	$(BIN)/python bench/bench_validate.py

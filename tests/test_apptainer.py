@@ -1,15 +1,15 @@
 """Apptainer for real: Apptainer 1.4.5 from a sid root filesystem, run unprivileged (tests/apptainer_host.py,
-the test harness that stands in for a cluster's own `apptainer`). The trl and openenv images, built under
-the test Docker Engine, become SIFs through `runner images export --to sif`; `runner qualify --engine
-apptainer` then runs an environment arm on the probe, service and rollout stages, the trainer's jobs from
-trl's SIF and the rollout service from openenv's, meeting on 127.0.0.1 (the shortest stages that exercise
-both SIFs, the service and the injected crash; training in a container is the docker suite's).
+the test harness that stands in for a cluster's own `apptainer`). Every stack's image, built under the test
+Docker Engine, becomes a SIF through `runner images export --to sif`. The four environment stacks other than
+openenv run probe, service and rollout from their SIFs (the trainer's jobs from trl's, meeting on 127.0.0.1);
+trl and openenv run every stage as a `runner compare` on the one-node Slurm, requeued mid-update.
 
-Slow: the root filesystem (~50 s), each SIF (~2 min cold) and the images are cached under the runner cache
-(SIFs by the digest of the image they were built from)."""
+Slow: the root filesystem (~50 s), each SIF (~1 min cold with lz4) and the images are cached under the runner
+cache (SIFs by the digest of the image they were built from)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -19,11 +19,12 @@ from pathlib import Path
 
 import pytest
 from apptainer_host import launcher, missing
-from conftest import CALC_PLAN, stage_evidence
+from conftest import CALC_PLAN, COMPARED_ARMS, rollout_tokens, stage_evidence
 from container_daemons import copy_stacks, docker_daemon
 from container_daemons import missing as missing_tools
 
 from runner._paths import cache_dir
+from runner.api import get_stack
 
 RUNNER = str(Path(sys.executable).parent / "runner")
 
@@ -45,16 +46,17 @@ def apptainer() -> Path:
 
 @pytest.fixture(scope="module")
 def sif_env(apptainer, tmp_path_factory) -> dict[str, str]:
-    """RUNNER_APPTAINER and RUNNER_SIF_DIR with the trl and openenv SIFs exported into it, and
+    """RUNNER_APPTAINER and RUNNER_SIF_DIR with every stack's SIF exported into it, and
     RUNNER_STACKS_DIR, a copy of the stacks (an export records the SIF's sha256 in pins.json; same contents,
     same image tags)."""
     sif_dir = cache_dir() / "sif"
     stacks = copy_stacks(tmp_path_factory.mktemp("apptainer") / "stacks")
     env = {"RUNNER_APPTAINER": str(apptainer), "RUNNER_SIF_DIR": str(sif_dir), "RUNNER_STACKS_DIR": str(stacks)}
     with docker_daemon() as url:
-        for stack in ("trl", "openenv"):
+        for stack in COMPARED_ARMS:
             result = runner("images", "export", "--stack", stack, "--to", "sif", "--out", str(sif_dir),
-                            "--apptainer", str(apptainer), env={**env, "DOCKER_HOST": url})
+                            "--apptainer", str(apptainer), "--mksquashfs-args", "-comp lz4",
+                            env={**env, "DOCKER_HOST": url})
             assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
             assert f"sif: {sif_dir / (stack + '.sif')}" in result.stdout
     return env
@@ -71,26 +73,23 @@ def test_a_sifs_sha256_is_recorded_in_the_stacks_pins(sif_env):
     assert all(tag.endswith(".sif") for tag in recorded) and built_from.startswith("sha256:")
 
 
-def test_an_environment_arm_runs_from_its_sif_and_the_trainers(sif_env, tmp_path):
-    run_dir = tmp_path / "openenv"
-    result = runner("qualify", "--stack", "openenv", "--plan", str(CALC_PLAN), "--engine", "apptainer", "--stages",
+@pytest.mark.parametrize("stack", ["nemo-gym", "verifiers", "lightning-verl", "skyrl-gym"])
+def test_an_environment_arm_runs_from_its_sif_and_the_trainers(sif_env, local_comparison, stack, tmp_path):
+    """The rollout service from the stack's SIF, the trainer's jobs from trl's, the crash injected inside the
+    stack's SIF; the SIF's lock label is the stack's lock; the same tokens as the local engine's arm."""
+    run_dir = tmp_path / stack
+    result = runner("qualify", "--stack", stack, "--plan", str(CALC_PLAN), "--engine", "apptainer", "--stages",
                     "probe,service,rollout", "--run-dir", str(run_dir), "--json", env=sif_env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["stages"] == dict.fromkeys(("probe", "service", "rollout"), "passed")
     probe = stage_evidence(run_dir, "probe")
-    sif = Path(sif_env["RUNNER_SIF_DIR"]) / "openenv.sif"
-    assert probe["environment"]["engine"] == "apptainer" and probe["environment"]["image"] == str(sif)
-    pins = {gate["name"]: gate for gate in probe["gates"]}["probe:pins"]
-    assert pins["passed"], pins  # the SIF's lock label is the stack's lock
-    # What a job could reach under --containall, as measured and reported: its inputs are read-only; the network
-    # is the node's unless the site allows `--net` (here it reached pypi.org), and /tmp is Apptainer's private
-    # one for the container (writable, discarded), unlike Docker's, so both read as reachable.
-    for reach in (probe["metrics"]["reach"], probe["metrics"]["trainer"]["reach"]):
-        assert reach["write_inputs"] is False and reach["inputs"]
-        assert {"outbound_tcp", "write_outside_run_dir"} <= set(reach)
+    environment = probe["environment"]
+    assert environment["engine"] == "apptainer" and environment["image"] == str(Path(sif_env["RUNNER_SIF_DIR"]) / f"{stack}.sif")
+    assert environment["python"].startswith(get_stack(stack).python + ".")
+    assert environment["deviations"] == list(get_stack(stack).deviations)  # none measured
+    assert {gate["name"]: gate for gate in probe["gates"]}["probe:pins"]["passed"]
     recovery = stage_evidence(run_dir, "rollout")["metrics"]["recovery"]
-    assert recovery["killed_pids"] and recovery["lost"] == 0  # the crash was injected inside openenv's SIF
+    assert recovery["killed_pids"] and recovery["lost"] == 0
+    assert rollout_tokens(run_dir) == rollout_tokens(local_comparison[0] / "arms" / stack)
 
 
 def test_a_sif_is_checked_by_its_labels_before_any_job(apptainer, tmp_path, monkeypatch):
@@ -98,8 +97,6 @@ def test_a_sif_is_checked_by_its_labels_before_any_job(apptainer, tmp_path, monk
     probe's pins gate compares with the stack's lock (a SIF built from another lock fails it)."""
     from runner._engines.apptainer import ApptainerEngine
     from runner._errors import EngineError
-    from runner.api import get_stack
-
     folder = tmp_path / "sif"
     folder.mkdir()
     os.chmod(folder, 0o777)
@@ -122,43 +119,86 @@ def test_a_sif_is_checked_by_its_labels_before_any_job(apptainer, tmp_path, monk
     assert ApptainerEngine().prepare(get_stack("trl")).lock_sha256 == "0" * 64 != get_stack("trl").lock_sha256
 
 
-def test_an_arm_on_slurm_runs_from_its_sifs_and_survives_a_requeue(cluster, sif_env, tmp_path):
-    """`runner qualify --executor slurm --engine apptainer`: the sbatch job runs every stage's jobs through
-    the profile's apptainer and SIF folder; requeued mid-update (scontrol requeue), the job resumes from the
-    last complete checkpoint inside the SIF and passes the boundary audit; `runner status` follows it."""
+def test_a_comparison_on_slurm_runs_from_the_sifs_survives_a_requeue_and_passes_every_gate(cluster, sif_env, tmp_path):
+    """`runner compare --stacks trl,openenv --executor slurm --engine apptainer`, every stage: each arm's sbatch
+    job runs its stages' jobs through the profile's apptainer and SIF folder. The trl arm's job is requeued
+    mid-update (scontrol requeue), resumes from the last complete checkpoint inside the SIF and passes the
+    boundary audit; `runner status` follows the jobs; the comparison passes every gate of both arms."""
     from conftest import wait_until
 
     profile = tmp_path / "cluster.toml"
     profile.write_text(f'apptainer = "{sif_env["RUNNER_APPTAINER"]}"\nsif_dir = "{sif_env["RUNNER_SIF_DIR"]}"\n')
     plan = tmp_path / "plan.yaml"  # four update steps, so the job is requeued between two checkpoints
     plan.write_text(CALC_PLAN.read_text().replace("update_steps: 2", "update_steps: 4"))
-    run_dir = tmp_path / "openenv"
+    run_dir = tmp_path / "compare"
     environment = {**cluster.env}
-    submitted = runner("qualify", "--stack", "openenv", "--plan", str(plan), "--executor", "slurm", "--engine",
-                       "apptainer", "--cluster", str(profile), "--stages", "probe,update", "--no-follow",
-                       "--run-dir", str(run_dir), "--json", env=environment)
+    submitted = runner("compare", "--stacks", "trl,openenv", "--plan", str(plan), "--executor", "slurm", "--engine",
+                       "apptainer", "--cluster", str(profile), "--no-follow", "--run-dir", str(run_dir), "--json",
+                       env=environment)
     assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
-    job_id = json.loads(submitted.stdout)["jobs"][0]["job_id"]
+    jobs = {job["name"]: job["job_id"] for job in json.loads(submitted.stdout)["jobs"]}
 
     def status() -> dict:
         return json.loads(runner("status", str(run_dir), "--json", env=environment).stdout)
 
-    wait_until(lambda: (run_dir / "stages" / "update" / "checkpoints" / "checkpoint-1" / "COMPLETE").is_file()
-               or status()["finished"], "the first update checkpoint", 1200, poll_s=0.5)
-    assert not status()["finished"], status()
+    def trl_job() -> dict:
+        return next(job for job in status()["jobs"] if job["job_id"] == jobs["trl"])
+
+    checkpoint = run_dir / "arms" / "trl" / "stages" / "update" / "checkpoints" / "checkpoint-1" / "COMPLETE"
+    wait_until(lambda: checkpoint.is_file() or trl_job()["state"] not in ("PENDING", "RUNNING"),
+               "the trl arm's first update checkpoint", 1200, poll_s=0.5)
+    assert trl_job()["state"] == "RUNNING", trl_job()
     slurm_env = {**os.environ, **cluster.env}
-    subprocess.run(["scontrol", "requeue", job_id], check=True, env=slurm_env)
+    subprocess.run(["scontrol", "requeue", jobs["trl"]], check=True, env=slurm_env)
     # As in test_slurm: release the requeued job once the second of its requeue has passed.
-    wait_until(lambda: status()["jobs"][0]["reason"] == "BeginTime", "the requeued job to be pending", 60, poll_s=0.5)
+    wait_until(lambda: trl_job()["reason"] == "BeginTime", "the requeued job to be pending", 60, poll_s=0.5)
     requeued_at = time.time()
     wait_until(lambda: time.time() >= requeued_at + 1.05, "the second of the requeue to pass", 5, poll_s=0.05)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True, env=slurm_env)
-    wait_until(lambda: status()["finished"] and status()["jobs"][0]["restarts"] >= 1, "the requeued job to finish",
-               1200, poll_s=1)
-    job = status()["jobs"][0]
-    assert job["state"] == "COMPLETED", job
-    probe = stage_evidence(run_dir, "probe")
-    assert probe["status"] == "passed" and probe["environment"]["engine"] == "apptainer"
-    update = stage_evidence(run_dir, "update")
-    assert update["status"] == "passed", [g for g in update["gates"] if not g["passed"]]
+    subprocess.run(["scontrol", "update", f"JobId={jobs['trl']}", "StartTime=now"], check=True, env=slurm_env)
+    wait_until(lambda: status()["finished"], "the comparison's jobs to finish", 2400, poll_s=2)
+    assert all(job["state"] == "COMPLETED" for job in status()["jobs"]), status()["jobs"]
+    assert trl_job()["restarts"] >= 1
+    comparison = json.loads((run_dir / "comparison.json").read_text())
+    assert comparison["passed"], {arm["stack"]: arm["failed_gates"] for arm in comparison["arms"]}
+    assert all(set(arm["gates"].values()) == {"passed"} and len(arm["gates"]) == 7 for arm in comparison["arms"])
+    update = stage_evidence(run_dir / "arms" / "trl", "update")
     assert {"requeue:same-order", "requeue:same-tokens", "requeue:same-final-weights"} <= {g["name"] for g in update["gates"]}
+    probe = stage_evidence(run_dir / "arms" / "openenv", "probe")
+    assert probe["environment"]["engine"] == "apptainer" and probe["environment"]["image"].endswith("/openenv.sif")
+    # What a job could reach under --containall, as measured and reported: its inputs are read-only; the network
+    # is the node's unless the site allows `--net` (here it reached pypi.org), and /tmp is Apptainer's private
+    # one for the container (writable, discarded), unlike Docker's, so both read as reachable.
+    for reach in (probe["metrics"]["reach"], probe["metrics"]["trainer"]["reach"]):
+        assert reach["write_inputs"] is False and reach["inputs"]
+        assert {"outbound_tcp", "write_outside_run_dir"} <= set(reach)
+    recovery = stage_evidence(run_dir / "arms" / "openenv", "rollout")["metrics"]["recovery"]
+    assert recovery["killed_pids"] and recovery["lost"] == 0  # the crash was injected inside openenv's SIF
+
+
+def test_cancel_stops_an_arm_running_in_its_sifs_and_leaves_no_process(cluster, sif_env, tmp_path):
+    """`runner cancel` on a Slurm + Apptainer arm mid-rollout: the job ends CANCELLED, the interrupted stage is
+    marked (kept for --resume), and no process of the run is left on the node, inside a SIF or outside."""
+    from conftest import leftover_processes, wait_until
+
+    profile = tmp_path / "cluster.toml"
+    profile.write_text(f'apptainer = "{sif_env["RUNNER_APPTAINER"]}"\nsif_dir = "{sif_env["RUNNER_SIF_DIR"]}"\n')
+    run_dir = tmp_path / "cancelled"
+    submitted = runner("qualify", "--stack", "openenv", "--plan", str(CALC_PLAN), "--executor", "slurm", "--engine",
+                       "apptainer", "--cluster", str(profile), "--stages", "probe,service,rollout", "--no-follow",
+                       "--run-dir", str(run_dir), "--json", env=cluster.env)
+    assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
+    wait_until(lambda: (run_dir / "stages" / "rollout" / "request.json").is_file(), "the rollout stage to start", 600)
+    cancelled = runner("cancel", str(run_dir), env=cluster.env)
+    assert cancelled.returncode == 0 and "cancelled" in cancelled.stdout, cancelled.stdout + cancelled.stderr
+
+    def status() -> dict:
+        return json.loads(runner("status", str(run_dir), "--json", env=cluster.env).stdout)
+
+    wait_until(lambda: status()["finished"], "the cancelled job to end", 120, poll_s=1)
+    assert status()["jobs"][0]["state"] == "CANCELLED"
+    assert stage_evidence(run_dir, "probe")["status"] == "passed"
+    marked = stage_evidence(run_dir, "rollout")
+    assert marked["status"] == "error" and marked["error"]["kind"] == "interrupted"
+    with contextlib.suppress(AssertionError):  # Slurm's kill reaches the job's processes within seconds
+        wait_until(lambda: not leftover_processes(run_dir), "the run's processes to be gone", 30, poll_s=0.5)
+    assert leftover_processes(run_dir) == []

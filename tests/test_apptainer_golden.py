@@ -39,7 +39,7 @@ def rendered(stage: str, gpus: int, binary: str = "apptainer", **fields) -> str:
                           Path("/scratch/runs/r1"), binary=binary)
     parts, lines = exec_command(job), []
     while parts:
-        take = 2 if parts[0] in ("--bind", "--env", "--pwd") or len(lines) == 0 else 1
+        take = 2 if parts[0] in ("--bind", "--env", "--home", "--pwd") or len(lines) == 0 else 1
         lines.append(" ".join(shlex.quote(p) for p in parts[:take]))
         parts = parts[take:]
     return " \\\n  ".join(lines) + "\n"
@@ -65,7 +65,8 @@ def test_golden_exec_line_cpu_resume_with_singularity_binary():
 def test_golden_build_lines():
     archive = build_from_archive_command(Path("/shared/sif/trl-abc.sif"), Path("/shared/images/runner-trl-abc.tar"))
     from_def = build_from_definition_command(Path("trl.sif"), Path("trl.def"), binary="singularity")
-    matches_golden("apptainer_build.txt", shlex.join(archive) + "\n" + shlex.join(from_def) + "\n")
+    lz4 = build_from_archive_command(Path("trl.sif"), Path("trl.tar"), mksquashfs_args="-comp lz4")
+    matches_golden("apptainer_build.txt", "".join(shlex.join(line) + "\n" for line in (archive, from_def, lz4)))
 
 
 def test_golden_definition_file_of_the_trl_gpu_image():

@@ -135,7 +135,9 @@ def sif_labels(binary: str, sif: Path) -> dict[str, str]:
 
 def exec_command(job: ApptainerJob) -> list[str]:
     """`apptainer exec --containall --cleanenv [--nv] --bind ... --env ... SIF python -m runner_contracts.launch`."""
-    options = ["--containall", "--cleanenv", "--no-home", "--pwd", str(job.workdir)]
+    # Apptainer sets HOME itself (an --env HOME is ignored): --home gives the job's private one, in its stage folder.
+    home = job.environment.get("HOME")
+    options = ["--containall", "--cleanenv", *(["--home", home] if home else ["--no-home"]), "--pwd", str(job.workdir)]
     if job.gpus:
         options.append("--nv")
     for path in job.writable:
@@ -143,14 +145,18 @@ def exec_command(job: ApptainerJob) -> list[str]:
     for path in job.read_only:
         options += ["--bind", f"{path}:{path}:ro"]
     for key, value in sorted(job.environment.items()):
-        options += ["--env", f"{key}={value}"]
+        if key != "HOME":
+            options += ["--env", f"{key}={value}"]
     return [job.binary, "exec", *options, str(job.sif), str(STACK_PREFIX / "bin" / "python"), "-m",
             "runner_contracts.launch", job.adapter, str(job.request)]
 
 
-def build_from_archive_command(sif: Path, archive: Path, binary: str = "apptainer") -> list[str]:
-    """SIF from a `docker save` archive: the image the docker engine qualified, byte for byte."""
-    return [binary, "build", "--force", str(sif), f"docker-archive://{archive}"]
+def build_from_archive_command(sif: Path, archive: Path, binary: str = "apptainer",
+                               mksquashfs_args: str | None = None) -> list[str]:
+    """SIF from a `docker save` archive: the image the docker engine qualified, byte for byte
+    (`mksquashfs_args`, e.g. "-comp lz4", trade the SIF's size for its build time)."""
+    extra = ["--mksquashfs-args", mksquashfs_args] if mksquashfs_args else []
+    return [binary, "build", "--force", *extra, str(sif), f"docker-archive://{archive}"]
 
 
 def build_from_definition_command(sif: Path, definition: Path, binary: str = "apptainer") -> list[str]:

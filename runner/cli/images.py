@@ -98,6 +98,8 @@ def export(
     engine: str = typer.Option("docker", "--engine", help=ENGINE_HELP),
     image: str = typer.Option(None, "--image", help="Image to export (default: the stack's current image)."),
     apptainer: str = typer.Option("apptainer", "--apptainer", help="Apptainer binary name (apptainer or singularity)."),
+    mksquashfs_args: str = typer.Option(None, "--mksquashfs-args", help="Passed to `apptainer build`: '-comp lz4' "
+                                        "builds a SIF in about half the time, ~40% larger than the default gzip."),
 ) -> None:
     """Export a stack image for clusters: a docker-archive, a SIF built from it, or a .def.
 
@@ -140,7 +142,7 @@ def export(
         console.print(f"docker-archive: {archive}", highlight=False)
         if to == "sif":
             built_from.unlink(missing_ok=True)
-            run_build(build_from_archive_command(sif, archive, apptainer))
+            run_build(build_from_archive_command(sif, archive, apptainer, mksquashfs_args))
             write_atomic(built_from, record.digest.encode())
             archive.unlink()  # the SIF holds the same bytes; the archive is as large again
             digest = "sha256:" + cached_sha256(sif)
