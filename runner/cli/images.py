@@ -99,7 +99,8 @@ def export(
     image: str = typer.Option(None, "--image", help="Image to export (default: the stack's current image)."),
     apptainer: str = typer.Option("apptainer", "--apptainer", help="Apptainer binary name (apptainer or singularity)."),
     mksquashfs_args: str = typer.Option(None, "--mksquashfs-args", help="Passed to `apptainer build`: '-comp lz4' "
-                                        "builds a SIF in about half the time, ~40% larger than the default gzip."),
+                                        "builds a SIF in about half the time, ~40% larger than the default gzip (a SIF of an "
+                                        "unchanged image is kept: remove it to build it again with other arguments)."),
 ) -> None:
     """Export a stack image for clusters: a docker-archive, a SIF built from it, or a .def.
 
