@@ -1,9 +1,9 @@
 """The docker and podman engines against real engines started by the test harness (tests/container_daemons.py):
-the trl stack's image built from a debootstrapped Debian base, a qualification in it up to the resume stage
+the trl stack's image built from a debootstrapped Debian base, its probe and resume stages in a container
 (a container SIGKILLed mid-training and resumed; train and evaluate run the same job kinds again and are
-left to the local comparison), token identity with the local engine, isolation, and drift of a pinned
-version without a rebuild; every stack's image compared under docker up to the first update; Podman builds
-and runs the same definition (every stack with RUNNER_TEST_ALL_ENGINES=1, `make test-engines`).
+left to the local comparison), isolation, and drift of a pinned version without a rebuild; every stack's
+image compared under docker up to the first update, with the local engine's tokens and weights; Podman
+builds and runs the same definition (every stack with RUNNER_TEST_ALL_ENGINES=1, `make test-engines`).
 
 Slow: the first run makes the three bases (~45 s each) and the six images (~9 min in all); they are cached
 (image stores under the runner cache) and reused by later runs."""
@@ -18,7 +18,6 @@ import tarfile
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import CALC_PLAN, COMPARED_ARMS, rollout_tokens, stage_evidence
 from container_daemons import copy_stacks, docker_daemon, missing, podman_service
 
@@ -57,9 +56,11 @@ def trl_image(docker_host) -> dict:
 
 @pytest.fixture(scope="module")
 def docker_run(docker_host, trl_image, tmp_path_factory) -> Path:
+    """trl's probe and resume in its container (a container SIGKILLed mid-training and resumed); the other stages
+    of every arm in a container are the docker comparison's."""
     run_dir = tmp_path_factory.mktemp("docker") / "trl"
     result = runner("qualify", "--stack", "trl", "--plan", str(CALC_PLAN), "--engine", "docker", "--stages",
-                    "probe,service,rollout,update,resume", "--run-dir", str(run_dir), "--json", env=docker_host)
+                    "probe,resume", "--run-dir", str(run_dir), "--json", env=docker_host)
     summary = json.loads(result.stdout)
     assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}\n{result.stderr[-3000:]}"
     return run_dir
@@ -92,7 +93,7 @@ def test_export_writes_a_docker_archive_and_says_how_to_build_the_sif(docker_hos
 
 def test_qualify_in_docker_passes_every_gate_with_image_stage_evidence(docker_run, trl_image):
     summary = json.loads((docker_run / "summary.json").read_text())
-    assert summary["stages"] == dict.fromkeys(("probe", "service", "rollout", "update", "resume"), "passed")
+    assert summary["stages"] == dict.fromkeys(("probe", "resume"), "passed")
     environment = stage_evidence(docker_run, "probe")["environment"]
     assert environment["engine"] == "docker"
     assert (environment["image"], environment["image_digest"]) == (trl_image["tag"], trl_image["digest"])
@@ -109,14 +110,6 @@ def test_container_isolation_blocks_network_and_input_writes(docker_run):
     assert reach["outbound_tcp"] is False
     assert reach["write_inputs"] is False
     assert reach["write_outside_run_dir"] is False
-
-
-def test_docker_trajectories_are_token_identical_to_the_local_engine(docker_run, local_comparison):
-    local = local_comparison[0] / "arms" / "trl"  # the session comparison's trl arm: local engine, same plan
-    in_docker, on_host = rollout_tokens(docker_run), rollout_tokens(local)
-    budget = yaml.safe_load(CALC_PLAN.read_text())["budget"]
-    assert len(in_docker) == budget["prompts_per_step"] * budget["generations_per_prompt"]
-    assert in_docker == on_host
 
 
 def test_changed_pin_without_rebuild_fails_the_probe_naming_the_package(docker_host, trl_image, docker_run, tmp_path):
