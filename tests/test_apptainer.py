@@ -62,6 +62,13 @@ def sif_env(apptainer, tmp_path_factory) -> dict[str, str]:
     return env
 
 
+def cluster_profile(sif_env: dict[str, str], folder: Path) -> Path:
+    """A cluster profile naming the test harness's apptainer and the SIF folder."""
+    profile = folder / "cluster.toml"
+    profile.write_text(f'apptainer = "{sif_env["RUNNER_APPTAINER"]}"\nsif_dir = "{sif_env["RUNNER_SIF_DIR"]}"\n')
+    return profile
+
+
 def test_a_sifs_sha256_is_recorded_in_the_stacks_pins(sif_env):
     from runner._engines.images import cached_sha256
 
@@ -126,8 +133,7 @@ def test_a_comparison_on_slurm_runs_from_the_sifs_survives_a_requeue_and_passes_
     boundary audit; `runner status` follows the jobs; the comparison passes every gate of both arms."""
     from conftest import wait_until
 
-    profile = tmp_path / "cluster.toml"
-    profile.write_text(f'apptainer = "{sif_env["RUNNER_APPTAINER"]}"\nsif_dir = "{sif_env["RUNNER_SIF_DIR"]}"\n')
+    profile = cluster_profile(sif_env, tmp_path)
     plan = tmp_path / "plan.yaml"  # four update steps, so the job is requeued between two checkpoints
     plan.write_text(CALC_PLAN.read_text().replace("update_steps: 2", "update_steps: 4"))
     run_dir = tmp_path / "compare"
@@ -180,8 +186,7 @@ def test_cancel_stops_an_arm_running_in_its_sifs_and_leaves_no_process(cluster, 
     marked (kept for --resume), and no process of the run is left on the node, inside a SIF or outside."""
     from conftest import leftover_processes, wait_until
 
-    profile = tmp_path / "cluster.toml"
-    profile.write_text(f'apptainer = "{sif_env["RUNNER_APPTAINER"]}"\nsif_dir = "{sif_env["RUNNER_SIF_DIR"]}"\n')
+    profile = cluster_profile(sif_env, tmp_path)
     run_dir = tmp_path / "cancelled"
     submitted = runner("qualify", "--stack", "openenv", "--plan", str(CALC_PLAN), "--executor", "slurm", "--engine",
                        "apptainer", "--cluster", str(profile), "--stages", "probe,service,rollout", "--no-follow",

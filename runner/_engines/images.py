@@ -107,7 +107,7 @@ class BaseDefinition:
     @property
     def key(self) -> str:
         recipe = [self.name, self.flavour, self.python, self.suite, self.mirror, list(self.packages), self.image]
-        if self.components or self.script or self.keyring:
+        if self.components or self.script or self.keyring:  # only then: the other bases keep their keys (and caches)
             recipe += [list(self.components), self.script, self.keyring and self.keyring.sha256]
         digest = hashlib.sha256(json.dumps(recipe).encode())
         if self.definition is not None:
@@ -232,8 +232,8 @@ def _keyring_file(keyring: Keyring, scratch: Path) -> Path:
                 data = reply.read()
         except OSError as error:
             raise EngineError(f"fetching the archive keyring {keyring.deb}: {error}") from None
-        if hashlib.sha256(data).hexdigest() != keyring.sha256:
-            raise EngineError(f"{keyring.deb}: sha256 {hashlib.sha256(data).hexdigest()}, bases.toml pins {keyring.sha256}")
+        if (found := hashlib.sha256(data).hexdigest()) != keyring.sha256:
+            raise EngineError(f"{keyring.deb}: sha256 {found}, bases.toml pins {keyring.sha256}")
         write_atomic(package, data)
     unpacked = scratch / "keyring"
     subprocess.run(["dpkg-deb", "-x", str(package), str(unpacked)], check=True, capture_output=True)
