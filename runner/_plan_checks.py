@@ -10,10 +10,10 @@ from pathlib import Path
 import msgspec
 
 from qualification.tasks import FamilyError, get_family
-from runner_contracts import Plan, TinyRecipe
-from runner_contracts.io import explain_error
+from runner_contracts import TINY_TOOL_FORMATS, Plan, TinyRecipe
 
 from ._errors import UserError
+from ._files import explain
 from ._policy import checkpoint_problems
 from ._stacks import all_stacks, get_stack
 
@@ -122,19 +122,20 @@ def _policy_problems(plan: Plan) -> Iterator[tuple[str, str]]:
         elif problems := checkpoint_problems(Path(spec.path), spec.tool_format):
             yield "policy.path", "the checkpoint cannot be used: " + "; ".join(problems)
         return  # a tiny recipe left beside kind: path is not used
-    if spec.tool_format != "hermes":
-        yield ("policy.tool_format", f"{spec.tool_format!r} with policy.kind 'tiny': the tiny policy is a Qwen2 "
-               "checkpoint writing hermes tool calls (tiny Llama and Mistral builds are not made yet); give a "
-               "checkpoint by path")
     for field in ("path", "sha256"):
         if getattr(spec, field) is not None and plan.plan_id is None:  # a frozen plan (plan.json) names its build
             yield f"policy.{field}", "given with policy.kind 'tiny', which builds its own weights; use kind: path"
     try:
         recipe = msgspec.convert(spec.tiny or {}, TinyRecipe)
     except msgspec.ValidationError as error:
-        field, message = explain_error(error)
-        yield f"policy.tiny.{field}" if field != "(record)" else "policy.tiny", message
+        field, message = explain(error, TinyRecipe)
+        yield f"policy.tiny.{field}" if field else "policy.tiny", message
         return
+    if spec.tool_format != TINY_TOOL_FORMATS[recipe.model_family]:
+        yield ("policy.tool_format", f"{spec.tool_format!r}, but the tiny {recipe.model_family} policy writes "
+               f"{TINY_TOOL_FORMATS[recipe.model_family]} tool calls: set tool_format: "
+               f"{TINY_TOOL_FORMATS[recipe.model_family]} (or policy.tiny.model_family to the one that writes "
+               f"{spec.tool_format})")
     for index, name in enumerate(recipe.families):
         try:
             get_family(name)

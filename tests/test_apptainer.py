@@ -126,16 +126,18 @@ def test_a_sif_is_checked_by_its_labels_before_any_job(apptainer, tmp_path, monk
     assert ApptainerEngine().prepare(get_stack("trl")).lock_sha256 == "0" * 64 != get_stack("trl").lock_sha256
 
 
-def test_a_comparison_on_slurm_runs_from_the_sifs_survives_a_requeue_and_passes_every_gate(cluster, sif_env, tmp_path):
+def test_a_comparison_on_slurm_runs_from_the_sifs_survives_a_requeue_and_equals_the_local_one(
+        cluster, sif_env, local_comparison, tmp_path):
     """`runner compare --stacks trl,openenv --executor slurm --engine apptainer`, every stage: each arm's sbatch
     job runs its stages' jobs through the profile's apptainer and SIF folder. The trl arm's job is requeued
-    mid-update (scontrol requeue), resumes from the last complete checkpoint inside the SIF and passes the
-    boundary audit; `runner status` follows the jobs; the comparison passes every gate of both arms."""
+    mid-train (scontrol requeue), resumes from the last complete checkpoint inside the SIF and passes the
+    boundary audit; `runner status` follows the jobs; the comparison passes every gate of both arms, with the
+    same plan, gate outcomes, sampled tokens and weights as the session's comparison (local executor and
+    engine)."""
     from conftest import wait_until
 
     profile = cluster_profile(sif_env, tmp_path)
-    plan = tmp_path / "plan.yaml"  # four update steps, so the job is requeued between two checkpoints
-    plan.write_text(CALC_PLAN.read_text().replace("update_steps: 2", "update_steps: 4"))
+    plan = CALC_PLAN  # four train steps: the job is requeued between two checkpoints
     run_dir = tmp_path / "compare"
     environment = {**cluster.env}
     submitted = runner("compare", "--stacks", "trl,openenv", "--plan", str(plan), "--executor", "slurm", "--engine",
@@ -150,9 +152,9 @@ def test_a_comparison_on_slurm_runs_from_the_sifs_survives_a_requeue_and_passes_
     def trl_job() -> dict:
         return next(job for job in status()["jobs"] if job["job_id"] == jobs["trl"])
 
-    checkpoint = run_dir / "arms" / "trl" / "stages" / "update" / "checkpoints" / "checkpoint-1" / "COMPLETE"
+    checkpoint = run_dir / "arms" / "trl" / "stages" / "train" / "checkpoints" / "checkpoint-1" / "COMPLETE"
     wait_until(lambda: checkpoint.is_file() or trl_job()["state"] not in ("PENDING", "RUNNING"),
-               "the trl arm's first update checkpoint", 1200, poll_s=0.5)
+               "the trl arm's first train checkpoint", 1200, poll_s=0.5)
     assert trl_job()["state"] == "RUNNING", trl_job()
     slurm_env = {**os.environ, **cluster.env}
     subprocess.run(["scontrol", "requeue", jobs["trl"]], check=True, env=slurm_env)
@@ -167,8 +169,23 @@ def test_a_comparison_on_slurm_runs_from_the_sifs_survives_a_requeue_and_passes_
     comparison = json.loads((run_dir / "comparison.json").read_text())
     assert comparison["passed"], {arm["stack"]: arm["failed_gates"] for arm in comparison["arms"]}
     assert all(set(arm["gates"].values()) == {"passed"} and len(arm["gates"]) == 7 for arm in comparison["arms"])
-    update = stage_evidence(run_dir / "arms" / "trl", "update")
-    assert {"requeue:same-order", "requeue:same-tokens", "requeue:same-final-weights"} <= {g["name"] for g in update["gates"]}
+    train = stage_evidence(run_dir / "arms" / "trl", "train")
+    assert {"requeue:same-order", "requeue:same-tokens", "requeue:same-final-weights"} <= {g["name"] for g in train["gates"]}
+    local_dir, local_data, _ = local_comparison
+    assert comparison["plan_id"] == local_data["plan_id"]
+    for stack in ("trl", "openenv"):
+        on_slurm, local = run_dir / "arms" / stack, local_dir / "arms" / stack
+        for stage in ("probe", "service", "rollout", "update", "resume", "train", "evaluate"):
+            outcomes = [{g["name"]: g["passed"] for g in stage_evidence(folder, stage)["gates"]
+                         if not g["name"].startswith("requeue:")} for folder in (on_slurm, local)]
+            assert outcomes[0] == outcomes[1], (stack, stage)
+        for stage in ("rollout", "update", "train"):
+            tokens = [[[s["token_ids"] for s in json.loads(line)["segments"]]
+                       for line in (folder / "stages" / stage / "trajectories.jsonl").read_text().splitlines()]
+                      for folder in (on_slurm, local)]
+            assert tokens[0] == tokens[1], (stack, stage)
+        weights = [[c["sha256"] for c in stage_evidence(folder, "train")["checkpoints"]] for folder in (on_slurm, local)]
+        assert weights[0] and weights[0] == weights[1], stack
     probe = stage_evidence(run_dir / "arms" / "openenv", "probe")
     assert probe["environment"]["engine"] == "apptainer" and probe["environment"]["image"].endswith("/openenv.sif")
     # What a job could reach under --containall, as measured and reported: its inputs are read-only; the network

@@ -74,10 +74,21 @@ def test_the_template_must_render_the_plans_tool_call_format(tmp_path, tool_form
     assert (found == []) if problem is None else (len(found) == 1 and problem in found[0]), found
 
 
-def test_the_tiny_policy_writes_hermes_calls_only(tmp_path):
+def test_a_tiny_policys_tool_format_is_its_model_familys(tmp_path):
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN.read_text().replace("  tiny: {seed: 0}", "  tiny: {seed: 0}\n  tool_format: mistral"))
-    with pytest.raises(UserError, match=r"plan.yaml:\d+: field policy.tool_format: 'mistral' with policy.kind 'tiny'"):
+    with pytest.raises(UserError, match=r"plan.yaml:\d+: field policy.tool_format: 'mistral', but the tiny qwen2 policy "
+                                        r"writes hermes tool calls: set tool_format: hermes"):
+        load_plan(plan)
+    plan.write_text(PLAN.read_text().replace("  tiny: {seed: 0}", "  tiny: {seed: 0, model_family: llama}"))
+    with pytest.raises(UserError, match=r"'hermes', but the tiny llama policy writes llama3_json tool calls"):
+        load_plan(plan)
+    plan.write_text(PLAN.read_text().replace("  tiny: {seed: 0}", "  tiny: {seed: 0, model_family: mistral}\n"
+                                                                  "  tool_format: mistral"))
+    assert load_plan(plan).policy.tiny == {"seed": 0, "model_family": "mistral"}
+    plan.write_text(PLAN.read_text().replace("  tiny: {seed: 0}", "  tiny: {seed: 0, model_family: gemma}"))
+    with pytest.raises(UserError, match=r"field policy.tiny.model_family: Invalid enum value 'gemma'; expected one of "
+                                        r"llama, mistral, qwen2"):
         load_plan(plan)
     plan.write_text(PLAN.read_text().replace("  tiny: {seed: 0}", "  tiny: {seed: 0}\n  tool_format: xml"))
     with pytest.raises(UserError, match=r"field policy.tool_format: Invalid enum value 'xml'; expected one of hermes, "

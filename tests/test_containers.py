@@ -206,6 +206,7 @@ def test_every_stack_qualifies_from_its_own_image_as_it_does_on_the_host(docker_
     updated weights are the local engine's, byte for byte."""
     run_dir, data, images = docker_comparison
     assert data["passed"] and [arm["stack"] for arm in data["arms"]] == COMPARED_ARMS
+    assert "(a subset: the other stages' figures are blank)" in (run_dir / "comparison.md").read_text()
     for stack in COMPARED_ARMS:
         in_docker, local = run_dir / "arms" / stack, local_comparison[0] / "arms" / stack
         probe = stage_evidence(in_docker, "probe")

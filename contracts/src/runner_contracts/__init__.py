@@ -22,6 +22,7 @@ from .records import (
     ENVIRONMENT_FILE,
     SERVICE_CALLS_FILE,
     SUPPORTED_VERSION,
+    TINY_TOOL_FORMATS,
     TOOL_CALL_MARKERS,
     Artifact,
     BudgetSpec,
@@ -59,6 +60,7 @@ from .records import (
     TaskSpec,
     TinyRecipe,
     ToolCallRecord,
+    TinyFamily,
     ToolFormat,
     TrainingRow,
     Trajectory,
@@ -66,10 +68,10 @@ from .records import (
 )
 
 __all__ = [
-    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "ENVIRONMENT_FILE", "SERVICE_CALLS_FILE", "SUPPORTED_VERSION", "TOOL_CALL_MARKERS", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration",
+    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "ENVIRONMENT_FILE", "SERVICE_CALLS_FILE", "SUPPORTED_VERSION", "TINY_TOOL_FORMATS", "TOOL_CALL_MARKERS", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration",
     "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "EvalRecord", "EvaluationSpec", "Evidence", "GateResult", "GateSpec", "Hardware",
     "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Provenance", "Record", "RecordError", "ReleaseSpec", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
-    "Segment", "ServiceCase", "SplitSpec", "StageRequest", "StageResult", "NativeAsset", "TaskPackage", "TaskSpec", "TinyRecipe", "ToolCallRecord", "ToolFormat", "TrainingRow",
+    "Segment", "ServiceCase", "SplitSpec", "StageRequest", "StageResult", "NativeAsset", "TaskPackage", "TaskSpec", "TinyFamily", "TinyRecipe", "ToolCallRecord", "ToolFormat", "TrainingRow",
     "Trajectory", "Upstream", "canonical_json", "decode_record", "encode", "freeze_plan", "iter_jsonl",
     "plan_id", "read_jsonl", "read_record", "sha256_bytes", "sha256_file", "write_atomic",
     "write_record",

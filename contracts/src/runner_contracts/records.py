@@ -14,6 +14,10 @@ Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 ToolFormat = Literal["hermes", "llama3_json", "mistral"]
 # A string a chat template contains when it renders (and so teaches) the format's tool calls.
 TOOL_CALL_MARKERS: dict[str, str] = {"hermes": "<tool_call>", "llama3_json": '"parameters"', "mistral": "[TOOL_CALLS]"}
+# Architectures `runner policy tiny --family` builds, each with its own tokenizer and chat template, and
+# the tool-call format that template teaches.
+TinyFamily = Literal["qwen2", "llama", "mistral"]
+TINY_TOOL_FORMATS: dict[str, str] = {"qwen2": "hermes", "llama": "llama3_json", "mistral": "mistral"}
 SegmentSource = Literal["prompt", "policy", "tool", "env"]
 Outcome = Literal["success", "failure", "truncated", "error"]
 Status = Literal["passed", "failed", "error", "skipped"]
@@ -104,6 +108,7 @@ class TinyRecipe(Record, kw_only=True, frozen=True):
     The plan keeps the overrides as written, so the policy's cache key and the plan id only change with them."""
 
     seed: int = 0
+    model_family: TinyFamily = "qwen2"
     families: tuple[str, ...] = ("calc-tool", "german-arith")
     demos_per_family: Annotated[int, msgspec.Meta(ge=1)] = 2000
     vocab_size: Annotated[int, msgspec.Meta(ge=64)] = 640

@@ -24,6 +24,7 @@ TOOL_FORMATS: tuple[str, ...] = get_args(ToolFormat)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _PYTHON_TAG = "<|python_tag|>"
 _MISTRAL = "[TOOL_CALLS]"
+_MARKER_TOKENS = {"hermes": "<tool_call>", "llama3_json": _PYTHON_TAG, "mistral": _MISTRAL}
 
 
 def openai_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -111,6 +112,24 @@ def malformed_call(raw: str, tool_format: str = "hermes") -> str:
     """A cut-off call in `tool_format` (the scripted policy's malformed-call turn): it parses as no call."""
     return {"hermes": f"<tool_call>\n{raw}\n</tool_call>", "llama3_json": f"{_PYTHON_TAG}{raw}",
             "mistral": f"{_MISTRAL}[{raw}"}[check_format(tool_format)]
+
+
+def completion_text(tokenizer, ids: list[int], tool_format: str = "hermes") -> str:
+    """The text the format's parser reads from sampled ids: special tokens (end of turn, padding) dropped,
+    except the format's own call marker, which Mistral and Llama tokenizers hold as a special token
+    (vLLM's mistral parser decodes with special tokens kept for the same reason)."""
+    marker = _MARKER_TOKENS[check_format(tool_format)]
+    marker_id = tokenizer.convert_tokens_to_ids(marker)
+    if not isinstance(marker_id, int) or marker_id == tokenizer.unk_token_id or marker_id not in ids:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    pieces, current = [], []
+    for token in ids:
+        if token == marker_id:
+            pieces.append(current)
+            current = []
+        else:
+            current.append(token)
+    return marker.join(tokenizer.decode(piece, skip_special_tokens=True) for piece in [*pieces, current])
 
 
 def check_format(tool_format: str) -> str:

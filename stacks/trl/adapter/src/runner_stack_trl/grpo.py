@@ -26,6 +26,7 @@ from runner_contracts import (
 )
 from runner_kit.continuity import mask_runs
 
+from .chat_formats import with_response_parser
 from .checkpoints import completion_marker
 from .environment import environment_class
 from .policy import deterministic_torch, prompt_messages, trainer_device_args
@@ -245,7 +246,7 @@ def build_trainer(plan: Plan, policy_dir: Path, output_dir: Path, *, steps: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     deterministic_torch(plan.sampling.seed)
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    tokenizer = with_response_parser(AutoTokenizer.from_pretrained(policy_dir), plan.policy.tool_format)
     model = AutoModelForCausalLM.from_pretrained(policy_dir)
     families = {row["environment"] for row in train_items}
     task_reward = TaskReward()

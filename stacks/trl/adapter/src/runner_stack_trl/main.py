@@ -108,14 +108,15 @@ def _calls(transcript) -> list[dict[str, Any]]:
 
 def service(request: StageRequest) -> StageResult:
     from transformers import AutoTokenizer
-    from trl.chat_template_utils import add_response_schema, parse_response
+    from trl.chat_template_utils import parse_response
 
+    from .chat_formats import with_response_parser
     from .environment import environment_class, tool_methods
     from .grpo import TaskReward
     from .policy import prompt_messages
 
-    tokenizer = add_response_schema(AutoTokenizer.from_pretrained(request.policy_dir))
     plan = request.plan
+    tokenizer = with_response_parser(AutoTokenizer.from_pretrained(request.policy_dir), plan.policy.tool_format)
     reward = TaskReward()
     specs = [(plan.task.family, plan.task.train), (plan.task.retention.family or plan.task.family, plan.task.retention)]
     per_family = int(request.options.get("items_per_family", 3))

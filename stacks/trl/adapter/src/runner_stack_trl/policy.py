@@ -1,5 +1,6 @@
 """The deterministic tiny policy: a byte-level BPE tokenizer trained on rendered task conversations,
-a Qwen2-architecture model built from a config, and a short SFT warm start so that it calls tools.
+a model of one architecture (Qwen2, Llama or Mistral, each with its own special tokens, chat template
+and tool-call format) built from a config, and a short SFT warm start so that it calls tools.
 
 Same recipe and seed give byte-identical files (torch deterministic algorithms, fixed threads).
 """
@@ -7,6 +8,8 @@ Same recipe and seed give byte-identical files (torch deterministic algorithms, 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +20,55 @@ from runner_contracts import TinyRecipe
 
 from .environment import environment_class, tool_methods
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen2's own pre-tokenizer regex: a saved directory reloads with the same split, so ids never change.
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+PROBE = "\u2400"  # a user message no template or tool schema contains: what precedes it is the template's preamble
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One architecture of tiny checkpoint: its config, special tokens, chat template and the fixed strings
+    its template and tool-call format write (learned as whole tokens)."""
+
+    model_type: str
+    special_tokens: tuple[str, ...]
+    bos: str | None
+    eos: str
+    pad: str
+    template: str  # chat_formats.TEMPLATES key
+    call_prefix: str  # what a call of tool {name} starts with, as the family's format writes it
+    fixed: tuple[str, ...]
+    config: tuple[tuple[str, Any], ...] = ()
+
+    def preamble(self, prompt: str) -> list[str]:
+        """What the template writes before the first user message's content (system prompt, tool schemas)."""
+        if self.model_type == "qwen2":  # the system block alone, as the tiny Qwen2 has always been built
+            return [prompt.split("<|im_start|>system\n", 1)[1].split("<|im_end|>", 1)[0]]
+        pattern = "|".join(map(re.escape, self.special_tokens))
+        return [piece for piece in re.split(pattern, prompt.split(PROBE, 1)[0]) if len(piece) > 1]
+
+
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    "qwen2": ModelFamily(
+        model_type="qwen2", special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>"), bos=None,
+        eos="<|im_end|>", pad="<|endoftext|>", template="qwen2",
+        call_prefix='<tool_call>\n{{"name": "{name}", "arguments": ',
+        fixed=("}\n</tool_call>", "<tool_response>\n", "\n</tool_response>")),
+    "llama": ModelFamily(
+        model_type="llama", special_tokens=("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                                            "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>", "<|python_tag|>",
+                                            "<|finetune_right_pad_id|>"),
+        bos="<|begin_of_text|>", eos="<|eot_id|>", pad="<|finetune_right_pad_id|>", template="llama",
+        call_prefix='{{"name": "{name}", "parameters": ', fixed=()),
+    "mistral": ModelFamily(
+        model_type="mistral", special_tokens=("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]",
+                                              "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
+                                              "[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
+        bos="<s>", eos="</s>", pad="<pad>", template="mistral",
+        call_prefix='[{{"name": "{name}", "arguments": ', fixed=("}]",), config=(("sliding_window", None),)),  # full attention, as Mistral 7B v0.3 and later
+}
 
 
 def trainer_device_args(gpus: int = 0) -> dict[str, Any]:
@@ -38,18 +85,14 @@ def deterministic_torch(seed: int) -> None:
     torch.set_num_threads(2)
 
 
-def _chat_tokenizer(tokenizer_object):
+def _chat_tokenizer(tokenizer_object, model: ModelFamily):
     from transformers import PreTrainedTokenizerFast
-    from trl.chat_template_utils import qwen2_5_chat_template
 
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer_object,
-        bos_token=None,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=None,
-    )
-    tokenizer.chat_template = qwen2_5_chat_template
+    from .chat_formats import TEMPLATES
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer_object, bos_token=model.bos, eos_token=model.eos,
+                                        pad_token=model.pad, unk_token=None)
+    tokenizer.chat_template = TEMPLATES[model.template]()
     return tokenizer
 
 
@@ -89,25 +132,25 @@ def _conversations(recipe: TinyRecipe):
 
 def _boilerplate(renderer, recipe: TinyRecipe) -> list[str]:
     """Fixed strings of the rendered template (system prompt + tool block, tool-call wrapper) as whole tokens."""
+    model = MODEL_FAMILIES[recipe.model_family]
     strings = []
     for family_name in recipe.families:
         family = get_family(family_name)
         tools = tool_methods(environment_class(family_name)()) or None
-        prompt = renderer.apply_chat_template(
-            [{"role": "system", "content": family.system_prompt}, {"role": "user", "content": "x"}], tools=tools, tokenize=False, add_generation_prompt=True
-        )
-        system_block = prompt.split("<|im_start|>system\n", 1)[1].split("<|im_end|>", 1)[0]
-        strings.append(system_block)
-        for spec in family.tools:
-            strings.append('<tool_call>\n{"name": "' + spec.name + '", "arguments": ')
-    strings += ["}\n</tool_call>", "<tool_response>\n", "\n</tool_response>", "Antwort: "]
+        prompt = renderer.apply_chat_template([{"role": "system", "content": family.system_prompt},
+                                               {"role": "user", "content": PROBE}],
+                                              tools=tools, tokenize=False, add_generation_prompt=True)
+        strings += model.preamble(prompt)
+        strings += [model.call_prefix.format(name=spec.name) for spec in family.tools]
+    strings += [*model.fixed, "Antwort: "]
     return list(dict.fromkeys(strings))
 
 
 def build_tokenizer(recipe: TinyRecipe):
     from tokenizers import AddedToken, trainers
 
-    renderer = _chat_tokenizer(_empty_tokenizer())
+    model = MODEL_FAMILIES[recipe.model_family]
+    renderer = _chat_tokenizer(_empty_tokenizer(), model)
     corpus = [
         renderer.apply_chat_template(messages, tools=tools, tokenize=False)
         for _, messages, tools in _conversations(recipe)
@@ -116,14 +159,14 @@ def build_tokenizer(recipe: TinyRecipe):
     tokenizer = _empty_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=recipe.vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(model.special_tokens),
         initial_alphabet=__import__("tokenizers").pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in SPECIAL_TOKENS])
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in model.special_tokens])
     tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in boilerplate])
     tokenizer.train_from_iterator(corpus, trainer=trainer)
-    return _chat_tokenizer(tokenizer)
+    return _chat_tokenizer(tokenizer, model)
 
 
 def training_chat_template(tokenizer) -> str | None:
@@ -133,39 +176,47 @@ def training_chat_template(tokenizer) -> str | None:
     return None if is_chat_template_prefix_preserving(tokenizer) else get_training_chat_template(tokenizer)
 
 
-def assistant_mask(tokenizer, ids: list[int]) -> list[int]:
-    """1 for tokens the assistant produces (after each assistant header, up to and including <|im_end|>)."""
-    header = tokenizer.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+def conversation_ids(tokenizer, messages: list[dict[str, Any]], tools,
+                     chat_template: str | None = None) -> tuple[list[int], list[int]]:
+    """A conversation as `chat_template` (default: the tokenizer's) renders it: (ids, mask of the assistant's
+    tokens). Any template, any model family: an assistant turn is what rendering it adds after the generation
+    prompt, up to and including its first end-of-turn token (what the policy would sample)."""
+    def render(upto: int, generation_prompt: bool = False) -> list[int]:
+        return tokenizer.apply_chat_template(messages[:upto], tools=tools, tokenize=True, return_dict=False,
+                                             add_generation_prompt=generation_prompt, chat_template=chat_template)
+
+    ids = render(len(messages))
     mask = [0] * len(ids)
-    index = 0
-    while index < len(ids):
-        if ids[index : index + len(header)] == header:
-            index += len(header)
-            while index < len(ids):
-                mask[index] = 1
-                index += 1
-                if ids[index - 1] == end:
-                    break
-        else:
-            index += 1
-    return mask
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(index, generation_prompt=True), render(index + 1)
+        if ids[: len(before)] != before or ids[: len(through)] != through:
+            raise ValueError("the chat template does not render a conversation's turns as prefixes of the whole "
+                             "conversation, so the assistant's tokens cannot be told apart")
+        end = len(through)
+        if tokenizer.eos_token_id in through[len(before):]:
+            end = len(before) + through[len(before):].index(tokenizer.eos_token_id) + 1
+        mask[len(before):end] = [1] * (end - len(before))
+    return ids, mask
 
 
 def sft_rows(tokenizer, recipe: TinyRecipe) -> list[dict[str, list[int]]]:
-    rows = []
+    rows, template = [], training_chat_template(tokenizer)
     for family_name in recipe.families:
         for item in demonstration_items(get_family(family_name), recipe):
-            ids, mask = demonstration_ids(tokenizer, family_name, item)
+            ids, mask = demonstration_ids(tokenizer, family_name, item, template)
             rows.append({"input_ids": ids, "assistant_masks": mask})
     return rows
 
 
 def build_model(tokenizer, recipe: TinyRecipe):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     deterministic_torch(recipe.seed)
-    config = Qwen2Config(
+    model = MODEL_FAMILIES[recipe.model_family]
+    config = AutoConfig.for_model(
+        model.model_type,
         vocab_size=len(tokenizer),
         hidden_size=recipe.hidden_size,
         num_hidden_layers=recipe.layers,
@@ -174,9 +225,10 @@ def build_model(tokenizer, recipe: TinyRecipe):
         intermediate_size=recipe.intermediate_size,
         max_position_embeddings=2048,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id if model.bos else tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
+        **dict(model.config),
     )
     return AutoModelForCausalLM.from_config(config)
 
@@ -213,14 +265,12 @@ def sft(model, tokenizer, rows, out_dir: Path, *, steps: int, batch_size: int, l
     return {"train_loss": result.training_loss, "losses": losses, "steps": trainer.state.global_step}
 
 
-def demonstration_ids(tokenizer, family_name: str, item) -> tuple[list[int], list[int]]:
-    """A family's demonstration of `item`, rendered as the GRPO loop renders episodes: (ids, assistant mask)."""
+def demonstration_ids(tokenizer, family_name: str, item, chat_template: str | None) -> tuple[list[int], list[int]]:
+    """A family's demonstration of `item`, rendered as the GRPO loop renders episodes (`chat_template`:
+    training_chat_template's): (ids, assistant mask)."""
     family = get_family(family_name)
     tools = tool_methods(environment_class(family_name)()) or None
-    ids = tokenizer.apply_chat_template(prompt_messages(item) + family.demonstration(item),
-                                        tools=tools, tokenize=True, return_dict=False,
-                                        chat_template=training_chat_template(tokenizer))
-    return ids, assistant_mask(tokenizer, ids)
+    return conversation_ids(tokenizer, prompt_messages(item) + family.demonstration(item), tools, chat_template)
 
 
 def build_tiny_policy(out_dir: Path, recipe: TinyRecipe) -> dict[str, Any]:

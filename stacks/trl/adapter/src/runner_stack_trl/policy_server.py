@@ -23,7 +23,7 @@ from typing import Any
 
 from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec
 from runner_kit.http import Call, HttpError, JsonServer, Reply
-from runner_kit.tool_formats import parse_tool_calls
+from runner_kit.tool_formats import completion_text, parse_tool_calls
 from runner_kit.policy import (
     CHAT_PATH,
     GENERATE_PATH,
@@ -202,7 +202,7 @@ class PolicyServer:
             history.calls += 1
         prompt_ids = self._prompt_ids(history, messages, tools)
         record = self._sample_logged(episode, channel, "chat", prompt_ids, body, index)
-        text = self.tokenizer.decode(record.completion_ids, skip_special_tokens=True)
+        text = completion_text(self.tokenizer, record.completion_ids, self.tool_format)
         content, tool_calls = parse_tool_calls(text, self.tool_format)
         finish = "tool_calls" if tool_calls else record.finish_reason
         reply = {"role": "assistant", "content": content, **({"tool_calls": tool_calls} if tool_calls else {})}
@@ -235,7 +235,7 @@ class PolicyServer:
         record = self._sample_logged(episode, channel, "generate", prompt_ids, params, index)
         return Reply(body={"choices": [{
             "index": 0, "token_ids": record.completion_ids, "finish_reason": record.finish_reason,
-            "text": self.tokenizer.decode(record.completion_ids, skip_special_tokens=True),
+            "text": completion_text(self.tokenizer, record.completion_ids, self.tool_format),
             "logprobs": {"content": token_logprobs(record.completion_ids, record.logprobs)},
         }], "prompt_token_ids": prompt_ids, "model": self.model_name})
 

@@ -11,7 +11,7 @@ from qualification.tasks import get_family
 from runner_contracts import Demonstration, JsonlWriter, StageRequest, TrainingRow
 
 from .checkpoints import completion_marker
-from .policy import demonstration_ids, sft
+from .policy import demonstration_ids, sft, training_chat_template
 
 
 def _recording_trainer(writer: JsonlWriter, index: dict[tuple[int, ...], str], stage: str):
@@ -46,10 +46,10 @@ def train_sft(request: StageRequest, steps: int) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(request.policy_dir)
     split = plan.task.train
     family_name = split.family or plan.task.family
-    rows, index = [], {}
+    rows, index, template = [], {}, training_chat_template(tokenizer)
     with JsonlWriter(out / "demonstrations.jsonl") as demos:
         for item in get_family(family_name).generate(split.split, split.n, split.seed):
-            ids, mask = demonstration_ids(tokenizer, family_name, item)
+            ids, mask = demonstration_ids(tokenizer, family_name, item, template)
             demos.write(Demonstration(task_id=item.task_id, input_ids=ids, target_mask=mask))
             rows.append({"input_ids": ids, "assistant_masks": mask})
             index[tuple(ids)] = item.task_id

@@ -24,7 +24,7 @@ from renderers.base import (
 from renderers.configs import BaseRendererConfig, DefaultRendererConfig
 from renderers.default import DefaultRenderer
 from runner_kit.policy import canonical_messages, canonical_tools
-from runner_kit.tool_formats import parse_tool_calls
+from runner_kit.tool_formats import completion_text, parse_tool_calls
 
 IMPORT_PATH = "runner_stack_verifiers.renderer.PolicyTemplateRenderer"
 # How the policy writes tool calls: the plan's, set by the backend before it makes clients (verifiers builds
@@ -61,8 +61,7 @@ class PolicyTemplateRenderer(DefaultRenderer):
 
     def parse_response(self, token_ids: list[int], *, tools=None, prompt_ids=None) -> ParsedResponse:
         ids = [token for token in token_ids if token not in self._turn_close_ids]
-        text = self._tokenizer.decode(ids, skip_special_tokens=True)
-        content, calls = parse_tool_calls(text, TOOL_FORMAT["value"])
+        content, calls = parse_tool_calls(completion_text(self._tokenizer, ids, TOOL_FORMAT["value"]), TOOL_FORMAT["value"])
         # Unique call ids: without one, TrainClient numbers calls per turn ("call_0" in every turn).
         parsed = [ParsedToolCall(raw=json.dumps({"name": call["function"]["name"],
                                                  "arguments": json.loads(call["function"]["arguments"])},
