@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 TEST_STAMP = $(VENV)/.installed-test
 BENCH_STAMP = $(VENV)/.installed-bench
 
-.PHONY: demo test test-fast test-engines bench schema lint clean python-deps system-deps
+.PHONY: demo test test-fast test-engines test-families bench schema lint clean python-deps system-deps
 
 # Host environment: the runner CLI, contracts, tasks/gates (no torch, no upstream stacks); the suite adds
 # its test tools.
@@ -58,6 +58,10 @@ test-fast: $(TEST_STAMP)
 # Every stack compared under Podman as well as Docker (~15 min more than the suite's budget holds).
 test-engines: system-deps $(TEST_STAMP)
 	RUNNER_TEST_ALL_ENGINES=1 $(BIN)/python -m pytest -q -ra tests/test_containers.py
+
+# The tiny Llama and Mistral through four arms each (~20 min more than the suite's budget holds).
+test-families: system-deps $(TEST_STAMP)
+	RUNNER_TEST_ALL_FAMILIES=1 $(BIN)/python -m pytest -q -ra tests/test_tiny_families.py
 
 bench: system-deps $(BENCH_STAMP)
 	$(BIN)/python bench/bench_validate.py

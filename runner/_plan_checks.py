@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 
 from qualification.tasks import FamilyError, get_family
-from runner_contracts import TINY_TOOL_FORMATS, Plan, TinyRecipe
+from runner_contracts import TINY_TOOL_FORMATS, Plan, PolicySpec, TinyRecipe
 
 from ._errors import UserError
 from ._files import explain
@@ -21,7 +21,8 @@ from ._stacks import all_stacks, get_stack
 def plan_problems(plan: Plan) -> Iterator[tuple[str, str]]:
     yield from _task_problems(plan)
     yield from _native_problems(plan)
-    yield from _policy_problems(plan)
+    yield from _policy_problems(plan.policy, "policy", frozen=plan.plan_id is not None)
+    yield from _distill_problems(plan)
     gates, budget = plan.gates, plan.budget
     if gates.resume_kill_after_step >= gates.resume_steps:
         yield ("gates.resume_kill_after_step", f"{gates.resume_kill_after_step} is not inside the resume run of "
@@ -104,35 +105,51 @@ def _native_problems(plan: Plan) -> Iterator[tuple[str, str]]:
                "demonstrations to warm-start on")
 
 
-def native_arm_problem(plan: Plan, stacks: list[str]) -> str | None:
-    """Why a plan with a native asset cannot run these arms: the asset runs only in its own stack."""
+def arm_problem(plan: Plan, stacks: list[str]) -> str | None:
+    """Why a plan cannot run these arms: a native asset runs only in its own stack, and distillation only in
+    stacks that can sample a teacher."""
     native = plan.task.native
     others = [name for name in stacks if native is not None and name.split("@", 1)[0] != native.stack]
     if others:
         return (f"the plan runs a native {native.stack} asset ({native.env}), which only the {native.stack} arm "
                 f"can run; {', '.join(others)} cannot (arms are comparable only on the same asset)")
+    unable = [name for name in stacks if plan.recipe == "distill"
+              and "distill" not in get_stack(name.split("@", 1)[0]).capabilities]
+    if unable:
+        able = sorted(name for name, stack in all_stacks().items() if "distill" in stack.capabilities)
+        return (f"recipe distill needs a stack that samples the teacher and fine-tunes the student ({', '.join(able)}); "
+                f"{', '.join(unable)} cannot")
     return None
 
 
-def _policy_problems(plan: Plan) -> Iterator[tuple[str, str]]:
-    spec = plan.policy
+def _distill_problems(plan: Plan) -> Iterator[tuple[str, str]]:
+    if plan.recipe == "distill" and plan.distill is None:
+        yield "distill", "recipe distill needs a distill block: {teacher: {kind: tiny|path, ...}, samples_per_item: K}"
+    elif plan.recipe != "distill" and plan.distill is not None:
+        yield "distill", f"given with recipe {plan.recipe!r}; it is read only by recipe: distill"
+    elif plan.distill is not None:
+        yield from _policy_problems(plan.distill.teacher, "distill.teacher", frozen=plan.plan_id is not None)
+
+
+def _policy_problems(spec: PolicySpec, where: str, *, frozen: bool) -> Iterator[tuple[str, str]]:
+    """What is wrong with a policy (the plan's, or a distillation teacher) before anything is built."""
     if spec.kind == "path":
         if not spec.path:
-            yield "policy.path", "required when policy.kind is 'path'"
+            yield f"{where}.path", "required when kind is 'path'"
         elif problems := checkpoint_problems(Path(spec.path), spec.tool_format):
-            yield "policy.path", "the checkpoint cannot be used: " + "; ".join(problems)
+            yield f"{where}.path", "the checkpoint cannot be used: " + "; ".join(problems)
         return  # a tiny recipe left beside kind: path is not used
     for field in ("path", "sha256"):
-        if getattr(spec, field) is not None and plan.plan_id is None:  # a frozen plan (plan.json) names its build
-            yield f"policy.{field}", "given with policy.kind 'tiny', which builds its own weights; use kind: path"
+        if getattr(spec, field) is not None and not frozen:  # a frozen plan (plan.json) names its build
+            yield f"{where}.{field}", "given with kind 'tiny', which builds its own weights; use kind: path"
     try:
         recipe = msgspec.convert(spec.tiny or {}, TinyRecipe)
     except msgspec.ValidationError as error:
         field, message = explain(error, TinyRecipe)
-        yield f"policy.tiny.{field}" if field else "policy.tiny", message
+        yield f"{where}.tiny.{field}" if field else f"{where}.tiny", message
         return
     if spec.tool_format != TINY_TOOL_FORMATS[recipe.model_family]:
-        yield ("policy.tool_format", f"{spec.tool_format!r}, but the tiny {recipe.model_family} policy writes "
+        yield (f"{where}.tool_format", f"{spec.tool_format!r}, but the tiny {recipe.model_family} policy writes "
                f"{TINY_TOOL_FORMATS[recipe.model_family]} tool calls: set tool_format: "
                f"{TINY_TOOL_FORMATS[recipe.model_family]} (or policy.tiny.model_family to the one that writes "
                f"{spec.tool_format})")
@@ -140,4 +157,4 @@ def _policy_problems(plan: Plan) -> Iterator[tuple[str, str]]:
         try:
             get_family(name)
         except FamilyError as error:
-            yield f"policy.tiny.families[{index}]", str(error)
+            yield f"{where}.tiny.families[{index}]", str(error)

@@ -92,22 +92,29 @@ def _readable(folder: Path) -> Path:
 
 
 def resolve_policy(plan: Plan, engine: LocalEngine) -> Plan:
-    """The plan with policy.path and policy.sha256 filled in and plan_id set (the frozen plan)."""
-    spec = plan.policy
+    """The plan with policy.path and policy.sha256 filled in (and a distillation teacher's), plan_id set: the
+    frozen plan."""
+    plan = msgspec.structs.replace(plan, policy=_resolved(plan.policy, "policy", plan, engine))
+    if plan.distill is not None:
+        teacher = _resolved(plan.distill.teacher, "distill.teacher", plan, engine)
+        plan = msgspec.structs.replace(plan, distill=msgspec.structs.replace(plan.distill, teacher=teacher))
+    return freeze_plan(msgspec.structs.replace(plan, plan_id=None))
+
+
+def _resolved(spec: PolicySpec, where: str, plan: Plan, engine: LocalEngine) -> PolicySpec:
     if spec.kind == "tiny":
         path = build_tiny(engine, dict(spec.tiny or {}), plan)
     else:
         if not spec.path:
-            raise UserError("plan field policy.path: required when policy.kind is 'path'")
+            raise UserError(f"plan field {where}.path: required when kind is 'path'")
         path = Path(spec.path).expanduser().resolve()
         problems = checkpoint_problems(path, spec.tool_format)
         if problems:
-            raise UserError("plan field policy.path: the checkpoint cannot be used:\n  " + "\n  ".join(problems))
+            raise UserError(f"plan field {where}.path: the checkpoint cannot be used:\n  " + "\n  ".join(problems))
     digest = sha256_file(path / WEIGHTS)
     if spec.kind == "path" and spec.sha256 and spec.sha256 != digest:
-        raise UserError(f"plan field policy.sha256: {path / WEIGHTS} has sha256 {digest}, the plan pins {spec.sha256}")
-    policy = msgspec.structs.replace(spec, path=str(path), sha256=digest, revision=spec.revision or digest[:12])
-    return freeze_plan(msgspec.structs.replace(plan, policy=policy, plan_id=None))
+        raise UserError(f"plan field {where}.sha256: {path / WEIGHTS} has sha256 {digest}, the plan pins {spec.sha256}")
+    return msgspec.structs.replace(spec, path=str(path), sha256=digest, revision=spec.revision or digest[:12])
 
 
 def checkpoint_problems(path: Path, tool_format: str = "hermes") -> list[str]:

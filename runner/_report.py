@@ -227,9 +227,12 @@ def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
         lines += ["", "## Evaluation (greedy decoding, same items for base and trained)", "",
                   "| split | base | trained | difference (CI) | test | p | verdict |", "|---|---|---|---|---|---|---|"]
         for split, row in data["evaluation"].items():
-            low, high = row["difference_ci"]
-            lines.append(f"| {split} | {row['base']} | {row['trained']} | {row['difference']:+.3f} "
-                         f"({low:+.3f}..{high:+.3f}) | {row['test']} | {row['p_value']:.3g} | {row['verdict']} |")
+            for label, figures in [(split, row), *([(f"{split}: matched SFT baseline -> distilled", row["baseline"])]
+                                                   if row.get("baseline") else [])]:
+                low, high = figures["difference_ci"]
+                lines.append(f"| {label} | {figures['base']} | {figures['trained']} | {figures['difference']:+.3f} "
+                             f"({low:+.3f}..{high:+.3f}) | {figures['test']} | {figures['p_value']:.3g} | "
+                             f"{figures['verdict']} |")
         lines += ["", "Small evaluation sets rarely separate base and trained; 'inconclusive' means the "
                   "data cannot tell them apart at this confidence, not that nothing changed."]
         sampled = {split: row["sampled"] for split, row in data["evaluation"].items() if row.get("sampled")}

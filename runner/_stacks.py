@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from runner_contracts import StageName
+
 from ._errors import UserError
 from ._files import convert, load_toml, read_text, toml_line
 from ._paths import stacks_dir
@@ -166,7 +168,6 @@ class _GpuTable(msgspec.Struct, forbid_unknown_fields=True):
     requirements: str
 
 
-Stage = Literal["probe", "service", "rollout", "update", "resume", "train", "evaluate"]
 
 
 class _ManifestFile(msgspec.Struct, forbid_unknown_fields=True):
@@ -179,7 +180,7 @@ class _ManifestFile(msgspec.Struct, forbid_unknown_fields=True):
     adapter: Annotated[str, msgspec.Meta(pattern=r"^[\w.]+:\w+$")]
     adapter_package: str
     upstream: _UpstreamTable
-    stages: list[Stage]
+    stages: list[StageName]
     capabilities: list[str] = []
     policy_sources: list[str] = []
     kind: Literal["trainer", "environment"] = "trainer"

@@ -220,10 +220,10 @@ def test_a_broken_native_plan_is_one_line(asset, old, new, message):
 
 
 def test_only_the_assets_own_stack_may_run_it(asset):
-    from runner._plan_checks import native_arm_problem
+    from runner._plan_checks import arm_problem
 
     plan = load_plan(asset / "plan.yaml")
-    assert native_arm_problem(plan, ["skyrl-gym", "skyrl-gym@0.4.0"]) is None  # two pins of its own stack may
+    assert arm_problem(plan, ["skyrl-gym", "skyrl-gym@0.4.0"]) is None  # two pins of its own stack may
     code, output = run_cli("qualify", "--stack", "trl", "--plan", str(asset / "plan.yaml"), "--stages", "probe")
     assert code == 2 and "only the skyrl-gym arm can run; trl cannot" in " ".join(output.split())
     code, output = run_cli("compare", "--stacks", "skyrl-gym,openenv", "--plan", str(asset / "plan.yaml"))

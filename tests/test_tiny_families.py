@@ -2,7 +2,9 @@
 Mistral with [TOOL_CALLS]), checked inside the trl stack's environment with its pinned transformers and
 TRL: each family's template renders a call exactly as its format writes it, the SFT mask covers the
 assistant's turns and nothing else, TRL's multi-turn parser and the policy server's parser read the call
-back from the sampled ids, and a built tokenizer reloads with the same ids.
+back from the sampled ids, and a built tokenizer reloads with the same ids. With RUNNER_TEST_ALL_FAMILIES=1
+(`make test-families`), the tiny Llama and Mistral each pass every gate of four arms' service, rollout and
+update (the Qwen2 is the session comparison's).
 
 Slow: needs the trl environment (built once, cached under RUNNER_CACHE_DIR).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -94,17 +97,21 @@ def test_each_family_renders_masks_and_parses_its_own_tool_calls(trl_env, family
 
 # Every parser a call goes through: TRL's own multi-turn loop (trl), the policy server's chat endpoint
 # (openenv; nemo-gym and lightning-verl read the same replies), the verifiers renderer's token-in/token-out
-# parse, and the skyrl-gym environment's parse of the action text. A quarter-size warm start (600
-# demonstrations per family, 150 steps) still calls the tool and varies in reward within groups.
+# parse, and the skyrl-gym environment's parse of the action text.
 FAMILY_ARMS = ["trl", "openenv", "verifiers", "skyrl-gym"]
+ALL_FAMILIES = "RUNNER_TEST_ALL_FAMILIES"
 
 
+@pytest.mark.skipif(not os.environ.get(ALL_FAMILIES), reason=(
+    f"{ALL_FAMILIES}=1 (`make test-families`) builds the tiny Llama and Mistral policies (the default warm start, "
+    "~6 min each on 2 cores; a third of it left every rollout unrewarded) and compares four arms on each: ~20 min "
+    "more than CI's 60-minute budget holds; the suite checks each family's template, masks and parsers in the trl "
+    "environment"))
 @pytest.mark.parametrize("family,tool_format", [("llama", "llama3_json"), ("mistral", "mistral")])
 def test_a_tiny_checkpoint_of_the_family_passes_every_gate_in_every_parser(tmp_path, family, tool_format):
     plan = tmp_path / "plan.yaml"
-    plan.write_text(CALC_PLAN.read_text().replace("  tiny: {seed: 0}", (
-        f"  tiny: {{seed: 0, model_family: {family}, demos_per_family: 600, sft_steps: 150}}\n"
-        f"  tool_format: {tool_format}")))
+    plan.write_text(CALC_PLAN.read_text().replace(
+        "  tiny: {seed: 0}", f"  tiny: {{seed: 0, model_family: {family}}}\n  tool_format: {tool_format}"))
     run_dir = tmp_path / "compare"
     result = subprocess.run([str(Path(sys.executable).parent / "runner"), "compare", "--stacks", ",".join(FAMILY_ARMS),
                              "--plan", str(plan), "--stages", "service,rollout,update", "--run-dir", str(run_dir),

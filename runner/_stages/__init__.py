@@ -22,17 +22,22 @@ from .evidence import (
 from .evaluate import stage_evaluate
 from .probe import stage_probe
 from .resume import stage_resume
+from .distill import stage_distill
 from .rollout import stage_rollout
 from .service import stage_service
 from .training import stage_train, stage_update
 
 STAGE_FUNCTIONS: dict[str, Callable[[Arm], StageOutput]] = {
-    "probe": stage_probe, "service": stage_service, "rollout": stage_rollout, "update": stage_update,
+    "probe": stage_probe, "service": stage_service, "rollout": stage_rollout, "distill": stage_distill,
+    "update": stage_update,
     "resume": stage_resume, "train": stage_train, "evaluate": stage_evaluate,
 }
 STAGES = tuple(STAGE_FUNCTIONS)
-# SFT trains on demonstrations, not sampled episodes: there is no rollout to audit.
-RECIPE_STAGES = {"grpo": STAGES, "sft": tuple(s for s in STAGES if s != "rollout")}
+# SFT trains on demonstrations, not sampled episodes: there is no rollout to audit; distillation's come from
+# the teacher's samples (the distill stage).
+RECIPE_STAGES = {"grpo": tuple(s for s in STAGES if s != "distill"),
+                 "sft": tuple(s for s in STAGES if s not in ("rollout", "distill")),
+                 "distill": tuple(s for s in STAGES if s != "rollout")}
 
 __all__ = ["RECIPE_STAGES", "STAGES", "TRIAL_STAGES", "Arm", "default_run_dir", "prepare_arm", "run_arm", "run_stage",
            "trial_dir"]

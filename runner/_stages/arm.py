@@ -15,6 +15,7 @@ import msgspec
 
 from runner_contracts import (
     PARTIAL_SUFFIX,
+    TEACHER_FILE,
     Checkpoint,
     EnvironmentInfo,
     ErrorInfo,
@@ -63,6 +64,7 @@ class Arm:
     gpu_env: StackEnvironment | None = None
     provenance: Provenance | None = None  # computed once per arm, written into each stage's evidence
     trial_seed: int | None = None  # the plan seed this arm's train and evaluate stages sample with
+    arm_dir: Path | None = None  # a trial's arm folder, where the stages run once per arm are
     current_stage: str | None = None  # set by run_stage
     stage_deadline: float | None = None  # time.monotonic() by which the current stage's jobs must end
 
@@ -81,7 +83,8 @@ class Arm:
 
     def trial(self, seed: int) -> Arm:
         """This arm's trial for another plan seed: same environments and rollout service, its own folder."""
-        return dataclasses.replace(self, run_dir=trial_dir(self.run_dir, seed), trial_seed=seed, interrupted={})
+        return dataclasses.replace(self, run_dir=trial_dir(self.run_dir, seed), trial_seed=seed, interrupted={},
+                                   arm_dir=self.run_dir)
 
     def trains_on_gpu(self, job: str) -> bool:
         """Whether an adapter job of this stage name runs in the stack's GPU environment."""
@@ -171,6 +174,8 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
     `in_stack_env` runs the job in the environment stack's own environment instead. Training jobs of an arm
     with a GPU environment, and jobs with `on_gpu`, run in that environment (the stack trains itself)."""
     options = dict(options or {})
+    if arm.plan.recipe == "distill" and stage in ("update", "train"):  # the student learns the kept samples
+        options["demonstrations"] = str(((arm.arm_dir or arm.run_dir) / "stages" / "distill" / TEACHER_FILE).resolve())
     env = arm.env
     on_gpu = on_gpu or arm.trains_on_gpu(stage)
     if on_gpu:

@@ -15,7 +15,11 @@ def stage_evaluate(arm: Arm) -> StageOutput:
         return StageOutput(error=ErrorInfo(kind="missing-input", message="evaluate needs the train stage's final "
                                            "checkpoint in this run directory; run the train stage first"))
     out = arm.stage_dir("evaluate")
-    _, result = run_adapter(arm, "evaluate", out, options={"trained_policy": str(trained.resolve())})
+    options = {"trained_policy": str(trained.resolve())}
+    baseline = latest_complete_checkpoint(arm.stage_dir("train") / "baseline" / "checkpoints")
+    if arm.plan.recipe == "distill" and baseline is not None:
+        options["baseline_policy"] = str(baseline.resolve())
+    _, result = run_adapter(arm, "evaluate", out, options=options)
     gates, summary = evaluate_gates(read_jsonl(out / "eval.jsonl", EvalRecord), arm.plan.gates.retention_margin,
                                     arm.plan.gates.confidence)
     return StageOutput(metrics={"trained_policy": trained.name, "decoding": "greedy", **summary}, gates=gates)

@@ -52,7 +52,7 @@ def stage_resume(arm: Arm) -> StageOutput:
         return StageOutput(error=ErrorInfo(kind="no-checkpoint", message="no complete checkpoint after the kill"))
     arm.on_event("resume", f"resuming from {checkpoint.name}")
     run_adapter(arm, "train", resumed, steps=steps, resume_from=checkpoint)
-    sft = arm.plan.recipe == "sft"
+    sft = arm.plan.recipe in ("sft", "distill")
     plain_revisions = checkpoint_revisions(plain / "checkpoints")[0]
     gates, interrupted_records = replay_gates(plain, interrupted, resumed, checkpoint, steps,
                                               plain_revisions.get(steps), incomplete, sft=sft)

@@ -19,11 +19,17 @@ from .resume import last_complete_checkpoint, replay_gates
 
 def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageOutput:
     out = arm.stage_dir(stage)
-    _, result = run_adapter(arm, stage, out, steps=steps)
+    baseline = arm.plan.recipe == "distill" and stage == "train"  # and the matched SFT baseline beside it
+    _, result = run_adapter(arm, stage, out, steps=steps, options={"matched_baseline": True} if baseline else None)
     revisions, incomplete = checkpoint_revisions(out / "checkpoints")
-    if arm.plan.recipe == "sft":
+    if arm.plan.recipe in ("sft", "distill"):
         gates, metrics = sft_gates(read_jsonl(out / "demonstrations.jsonl", Demonstration),
                                    read_jsonl(out / "training.jsonl", TrainingRow), steps)
+        if baseline:  # audited the same way
+            baseline_gates, metrics["baseline"] = sft_gates(
+                read_jsonl(out / "baseline" / "demonstrations.jsonl", Demonstration),
+                read_jsonl(out / "baseline" / "training.jsonl", TrainingRow), steps)
+            gates += [msgspec.structs.replace(g, name="baseline-" + g.name) for g in baseline_gates]
     else:
         gates, metrics = audit_trace(arm, out, signal=signal, revisions=revisions)
         call_checks, call_metrics = sampling_audit(arm, stage, out, result)
@@ -61,7 +67,7 @@ def _resumed_after_interruption(arm: Arm, stage: str, out: Path, steps: int,
     arm.on_event(stage, f"resuming the interrupted attempt from {checkpoint.name}")
     run_adapter(arm, stage, resumed, steps=steps, resume_from=checkpoint)
     gates, _ = replay_gates(out, attempt, resumed, checkpoint, steps, revisions.get(steps), incomplete,
-                            sft=arm.plan.recipe == "sft")
+                            sft=arm.plan.recipe in ("sft", "distill"))
     gates = [msgspec.structs.replace(g, name=g.name.replace("resume:", "requeue:", 1)) for g in gates]
     return gates, {"attempt": attempt.name, "resumed_from": checkpoint.name}
 

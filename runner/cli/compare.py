@@ -14,7 +14,7 @@ from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
 from .._plan import load_plan
-from .._plan_checks import native_arm_problem
+from .._plan_checks import arm_problem
 from .._policy import resolve_policy
 from .._stacks import get_stack
 from .._stages import RECIPE_STAGES
@@ -63,7 +63,7 @@ def compare(
             raise UserError("--resume needs --run-dir: the comparison to continue" if run_dir is None else
                             f"--resume: {run_dir} is not a comparison's run directory; nothing to continue")
         plan = load_plan(plan_path, logger(json_output))
-        if problem := native_arm_problem(plan, names):
+        if problem := arm_problem(plan, names):
             raise UserError(problem)
         target = writable_run_dir(run_dir) if run_dir else None
         runner = make_executor(executor, engine=engine, cluster=cluster, dry_run=dry_run, follow=follow_jobs,

@@ -10,7 +10,7 @@ from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
 from .._plan import load_plan
-from .._plan_checks import native_arm_problem
+from .._plan_checks import arm_problem
 from .._policy import resolve_policy
 from .._report import gate_table, load_run
 from .._stacks import get_stack
@@ -84,7 +84,7 @@ def qualify(
     with cli_errors():
         manifest = get_stack(stack)
         plan = load_plan(plan_path, logger(json_output))
-        if problem := native_arm_problem(plan, [stack]):
+        if problem := arm_problem(plan, [stack]):
             raise UserError(problem)
         if resume and run_dir is not None and not run_dir.is_dir():
             raise UserError(f"--resume: {run_dir} is not a run directory; nothing to continue")
@@ -112,6 +112,10 @@ def qualify(
                           f"({split['test']}, p={split['p_value']:.3g}"
                           + (f"; detects a difference of {detectable:.0%} or more at 80% power" if detectable else "")
                           + ")", highlight=False)
+            if versus := split.get("baseline"):
+                console.print(f"  distilled vs the matched SFT baseline: {versus['base']} -> {versus['trained']}: "
+                              f"[bold]{versus['verdict']}[/] ({versus['test']}, p={versus['p_value']:.3g})",
+                              highlight=False)
         if data.get("release"):
             release = data["release"]
             colour = "green" if release["verdict"] == "release" else "yellow"

@@ -32,7 +32,7 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
 def plan_id(plan: Plan) -> str:
     body = msgspec.to_builtins(plan)
     body.pop("plan_id", None)
-    for late in ("release", "evaluation"):  # added after the first plans were frozen; absent, they change no id
+    for late in ("release", "evaluation", "distill"):  # added after the first plans were frozen; absent, they change no id
         if body.get(late) is None:
             body.pop(late, None)
     if body.get("budget", {}).get("episode_timeout_s", 0) is None:

@@ -22,7 +22,7 @@ SegmentSource = Literal["prompt", "policy", "tool", "env"]
 Outcome = Literal["success", "failure", "truncated", "error"]
 Status = Literal["passed", "failed", "error", "skipped"]
 COMPLETE_MARKER = "COMPLETE"  # written last, atomically, into every complete checkpoint folder
-StageName = Literal["probe", "service", "rollout", "update", "resume", "train", "evaluate"]
+StageName = Literal["probe", "service", "rollout", "distill", "update", "resume", "train", "evaluate"]
 
 
 DEFAULT_EPISODE_TIMEOUT_S = 900.0  # a rollout service's per-attempt limit when the plan sets none
@@ -183,11 +183,22 @@ class EvaluationSpec(Record, kw_only=True):
     attempts: Annotated[int, msgspec.Meta(ge=2, le=64)]
 
 
+class DistillSpec(Record, kw_only=True):
+    """Distillation (recipe: distill): `teacher` sampled `samples_per_item` times per train item (with `sampling`,
+    else the plan's); the samples the task's reference scorer accepts, without duplicates and without a prompt
+    of the held-out or retention splits, are the demonstrations the policy (the student) is fine-tuned on."""
+
+    teacher: PolicySpec
+    samples_per_item: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    sampling: SamplingSpec | None = None
+
+
 class Plan(Record, kw_only=True):
     contract: Literal["plan"] = "plan"
     version: int = 1
     name: str
-    recipe: Literal["grpo", "sft"] = "grpo"  # grpo: sampled episodes + rewards; sft: demonstrations
+    # grpo: sampled episodes + rewards; sft: the task's demonstrations; distill: a teacher's accepted samples
+    recipe: Literal["grpo", "sft", "distill"] = "grpo"
     task: TaskSpec
     policy: PolicySpec
     reward: RewardSpec
@@ -197,6 +208,7 @@ class Plan(Record, kw_only=True):
     gates: GateSpec = msgspec.field(default_factory=GateSpec)
     release: ReleaseSpec | None = None  # plan_id leaves it out when absent: earlier plans keep their ids
     evaluation: EvaluationSpec | None = None  # likewise
+    distill: DistillSpec | None = None  # likewise; required by recipe: distill
     plan_id: Sha256 | None = None
 
 
@@ -263,6 +275,28 @@ class Demonstration(Record, kw_only=True):
     task_id: str
     input_ids: list[TokenId]
     target_mask: list[Annotated[int, msgspec.Meta(ge=0, le=1)]]
+
+
+DropReason = Literal["rejected-by-scorer", "truncated", "duplicate", "overlaps-evaluation"]
+
+
+class TeacherSample(Record, kw_only=True):
+    """One episode the distillation teacher sampled on a train item (teacher.jsonl): kept as a demonstration,
+    or dropped for the first reason that applies."""
+
+    contract: Literal["teacher-sample"] = "teacher-sample"
+    version: int = 1
+    task_id: str
+    family: str
+    item: str  # the TaskItem's JSON, so the host re-scores the episode itself
+    attempt: NonNegInt
+    messages: list[dict[str, Any]]  # the prompt messages, then the teacher's turns and the tool results
+    final_text: str
+    tool_calls: list[ToolCallRecord]
+    finish_reason: str
+    success: bool
+    kept: bool
+    dropped: DropReason | None = None
 
 
 # --- evidence.json -------------------------------------------------------------------------------
@@ -400,6 +434,7 @@ class StageResult(Record, kw_only=True):
 
 
 SERVICE_CALLS_FILE = "service-calls.jsonl"  # the service stage's scripted policy calls (PolicyCall records)
+TEACHER_FILE = "teacher.jsonl"  # the distill stage's teacher samples (TeacherSample records)
 # In a rollout service's folder, kept current while it runs: {"pids": [...]} of its environment's processes.
 ENVIRONMENT_FILE = "environment.json"
 
@@ -427,7 +462,7 @@ class EvalRecord(Record, kw_only=True):
 
     contract: Literal["eval-record"] = "eval-record"
     version: int = 1
-    policy: Literal["base", "trained"]
+    policy: Literal["base", "trained", "baseline"]  # baseline: recipe distill's matched SFT baseline
     split: str
     task_id: str
     item: str
@@ -550,6 +585,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
     "stage-result": StageResult,
     "service-case": ServiceCase,
     "eval-record": EvalRecord,
+    "teacher-sample": TeacherSample,
     "episode-spec": EpisodeSpec,
     "rollout-request": RolloutRequest,
     "episode-result": EpisodeResult,

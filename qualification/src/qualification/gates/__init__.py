@@ -1,6 +1,7 @@
 """Gates: host-side audits over the files a stage wrote. Each returns GateResult records."""
 
 from .calls import call_gates
+from .distill import distill_gates
 from .stages import (
     checkpoint_revisions,
     evaluate_gates,
@@ -15,6 +16,6 @@ from .sft import sft_gates
 from .trace import TraceAudit
 
 __all__ = [
-    "TraceAudit", "call_gates", "checkpoint_revisions", "evaluate_gates", "latest_complete_checkpoint",
+    "TraceAudit", "call_gates", "checkpoint_revisions", "distill_gates", "evaluate_gates", "latest_complete_checkpoint",
     "lock_gate", "pooled_evaluation", "resume_gates", "service_gates", "sft_gates", "update_gates",
 ]

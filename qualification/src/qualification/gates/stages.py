@@ -215,6 +215,14 @@ def evaluate_gates(records: list[EvalRecord], margin: float, confidence: float) 
             continue
         comparison = compare_paired([base[i] for i in items], [trained[i] for i in items], confidence)
         summary[split] = _paired_row(comparison, confidence)
+        if (baseline := policies.get("baseline")) is not None:  # recipe distill: distilled vs matched SFT baseline
+            if set(baseline) != set(trained):
+                gates.append(GateResult(name=f"evaluate:{split}-baseline", passed=False, detail="the matched SFT "
+                                        "baseline and the trained policy were not evaluated on the same items"))
+            else:
+                versus = compare_paired([baseline[i] for i in items], [trained[i] for i in items], confidence)
+                summary[split]["baseline"] = {**_paired_row(versus, confidence),
+                                              "reading": "base = the matched SFT baseline, trained = the distilled policy"}
         if split in sampled:
             summary[split]["sampled"] = sampled_figures(sampled[split])
         if split == "retention":

@@ -10,6 +10,8 @@ CapturingGRPOTrainer changes nothing about how TRL samples or trains. It records
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ from qualification.tasks import get_family
 from runner_contracts import (
     JsonlWriter,
     Plan,
+    SamplingSpec,
     Segment,
     TrainingRow,
     Trajectory,
@@ -269,3 +272,32 @@ def training_metrics(trainer) -> dict[str, Any]:
     return {"loss": [float(entry["loss"]) for entry in history],
             "grad_norm": [float(entry.get("grad_norm", 0.0)) for entry in history],
             "global_step": trainer.state.global_step}
+
+
+def run_episodes(trainer, rows: list[dict[str, Any]], batch_size: int = 16, sampling: SamplingSpec | None = None):
+    """Episodes through TRL's own generate + tool loop (no training): greedy, or sampled with `sampling`'s
+    settings (the caller seeds torch). Yields (row, env, transcript, finish, completion messages)."""
+    trainer.model.eval()
+    config = trainer.generation_config
+    config.do_sample = sampling is not None
+    config.temperature = sampling.temperature if sampling else None
+    config.top_p = sampling.top_p if sampling else None
+    config.top_k = (sampling.top_k or None) if sampling else None
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start : start + batch_size]
+        # The per-rollout environment and tool wiring GRPOTrainer does in _generate_and_score_completions.
+        trainer._batch_environments = [row["environment"] for row in batch]
+        trainer.environments = [trainer.environment_factories[name]() for name in trainer._batch_environments]
+        trainer._sync_tool_dicts, trainer._async_tool_dicts = [], []
+        for env, row in zip(trainer.environments, batch, strict=True):
+            env.reset(**{k: v for k, v in row.items() if k != "environment"})
+            tools = {name: getattr(env, name) for name, _ in inspect.getmembers(type(env), inspect.isfunction)
+                     if name not in ("reset", "get_reward") and not name.startswith("_")}
+            trainer._sync_tool_dicts.append(tools)
+            trainer._async_tool_dicts.append({})
+        prompts = copy.deepcopy([row["prompt"] for row in batch])
+        _, completion_ids, _, completions, *_ = trainer._generate(prompts)
+        eos = set(trainer.eos_token_ids)
+        for row, env, completion, ids in zip(batch, trainer.environments, completions, completion_ids, strict=True):
+            finish = "stop" if ids and ids[-1] in eos else "length"
+            yield row, env, env._transcript(final_text(completion)), finish, completion

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 import shutil
@@ -11,9 +10,9 @@ from typing import Any
 
 from qualification.tasks import TaskItem, get_family, use_plan
 from runner_contracts import (
+    TEACHER_FILE,
     EvalRecord,
     JsonlWriter,
-    SamplingSpec,
     ServiceCase,
     StageRequest,
     StageResult,
@@ -23,7 +22,7 @@ from runner_kit.tool_formats import malformed_call, render_tool_calls
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-CAPABILITIES = ["grpo", "sft", "multi-turn-tools", "resume", "cpu", "token-capture:trainer"]
+CAPABILITIES = ["grpo", "sft", "distill", "multi-turn-tools", "resume", "cpu", "token-capture:trainer"]
 
 
 def run(request: StageRequest) -> StageResult:
@@ -41,6 +40,7 @@ def run(request: StageRequest) -> StageResult:
         "build-policy": build_policy,
         "service": service,
         "rollout": rollout,
+        "distill": distill,
         "update": train,
         "train": train,
         "evaluate": evaluate,
@@ -200,7 +200,7 @@ def train(request: StageRequest) -> StageResult:
 
     steps = request.steps or (request.plan.gates.update_steps if request.stage == "update"
                               else request.plan.budget.steps)
-    if request.plan.recipe == "sft":
+    if request.plan.recipe in ("sft", "distill"):
         from .sft import train_sft
 
         return StageResult(stage=request.stage, metrics=train_sft(request, steps),
@@ -221,38 +221,13 @@ def train(request: StageRequest) -> StageResult:
                               "checkpoints": "checkpoints"})
 
 
+def distill(request: StageRequest) -> StageResult:
+    from .distill import sample_teacher
+
+    return StageResult(stage="distill", metrics=sample_teacher(request), files={"teacher": TEACHER_FILE})
+
+
 # --- evaluate ----------------------------------------------------------------------------------------
-
-
-def _run_episodes(trainer, rows: list[dict[str, Any]], batch_size: int = 16, sampling: SamplingSpec | None = None):
-    """Episodes through TRL's own generate + tool loop (no training): greedy, or sampled with `sampling`'s
-    settings (the caller seeds torch). Yields (row, env, transcript, finish)."""
-    from .grpo import final_text
-
-    trainer.model.eval()
-    config = trainer.generation_config
-    config.do_sample = sampling is not None
-    config.temperature = sampling.temperature if sampling else None
-    config.top_p = sampling.top_p if sampling else None
-    config.top_k = (sampling.top_k or None) if sampling else None
-    for start in range(0, len(rows), batch_size):
-        batch = rows[start : start + batch_size]
-        # The per-rollout environment and tool wiring GRPOTrainer does in _generate_and_score_completions.
-        trainer._batch_environments = [row["environment"] for row in batch]
-        trainer.environments = [trainer.environment_factories[name]() for name in trainer._batch_environments]
-        trainer._sync_tool_dicts, trainer._async_tool_dicts = [], []
-        for env, row in zip(trainer.environments, batch, strict=True):
-            env.reset(**{k: v for k, v in row.items() if k != "environment"})
-            tools = {name: getattr(env, name) for name, _ in inspect.getmembers(type(env), inspect.isfunction)
-                     if name not in ("reset", "get_reward") and not name.startswith("_")}
-            trainer._sync_tool_dicts.append(tools)
-            trainer._async_tool_dicts.append({})
-        prompts = copy.deepcopy([row["prompt"] for row in batch])
-        _, completion_ids, _, completions, *_ = trainer._generate(prompts)
-        eos = set(trainer.eos_token_ids)
-        for row, env, completion, ids in zip(batch, trainer.environments, completions, completion_ids, strict=True):
-            finish = "stop" if ids and ids[-1] in eos else "length"
-            yield row, env, env._transcript(final_text(completion)), finish
 
 
 def evaluate(request: StageRequest) -> StageResult:
@@ -260,10 +235,12 @@ def evaluate(request: StageRequest) -> StageResult:
     plan.evaluation, also that many sampled attempts per item and policy (attempt a seeded the same for both)."""
     import torch
 
-    from .grpo import build_trainer, task_rows
+    from .grpo import build_trainer, run_episodes, task_rows
 
     plan = request.plan
     policies = {"base": Path(request.policy_dir), "trained": Path(request.options["trained_policy"])}
+    if request.options.get("baseline_policy"):  # recipe distill: the matched SFT baseline
+        policies["baseline"] = Path(request.options["baseline_policy"])
     splits = [("heldout", plan.task.heldout.family or plan.task.family, plan.task.heldout),
               ("retention", plan.task.retention.family or plan.task.family, plan.task.retention)]
     all_rows = {label: task_rows(family, spec.split, spec.n, spec.seed) for label, family, spec in splits}
@@ -279,7 +256,7 @@ def evaluate(request: StageRequest) -> StageResult:
                 if attempt is not None:
                     torch.manual_seed(plan.sampling.seed * 1009 + attempt)
                 for split_label, rows in all_rows.items():
-                    for row, env, transcript, finish in _run_episodes(
+                    for row, env, transcript, finish, _ in run_episodes(
                             trainer, rows, sampling=None if attempt is None else plan.sampling):
                         item = TaskItem.from_json(row["item"])
                         score = env.family.score(item, transcript)

@@ -67,7 +67,8 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
                                               "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]",
                                               "[TOOL_RESULTS]", "[/TOOL_RESULTS]"),
         bos="<s>", eos="</s>", pad="<pad>", template="mistral",
-        call_prefix='[{{"name": "{name}", "arguments": ', fixed=("}]",), config=(("sliding_window", None),)),  # full attention, as Mistral 7B v0.3 and later
+        call_prefix='[{{"name": "{name}", "arguments": ', fixed=("}]",),
+        config=(("sliding_window", None),)),  # full attention, as Mistral 7B v0.3 and later
 }
 
 

@@ -39,23 +39,66 @@ def _recording_trainer(writer: JsonlWriter, index: dict[tuple[int, ...], str], s
 
 
 def train_sft(request: StageRequest, steps: int) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """SFT for `steps` steps; for recipe distill's train stage (option matched_baseline), also the matched
+    baseline (baseline/): the same student, steps and seed on the reference demonstrations of the items the
+    teacher's kept samples are of."""
+    from transformers import AutoTokenizer
 
-    plan, out = request.plan, Path(request.out_dir)
+    out = Path(request.out_dir)
     tokenizer = AutoTokenizer.from_pretrained(request.policy_dir)
+    demonstrations = _demonstrations(request, tokenizer)
+    metrics = _fine_tune(request, steps, tokenizer, demonstrations, out)
+    if request.plan.recipe == "distill" and request.options.get("matched_baseline"):
+        baseline = _reference_demonstrations(request, tokenizer, [task_id for task_id, _, _ in demonstrations])
+        metrics["baseline"] = _fine_tune(request, steps, tokenizer, baseline, out / "baseline")
+    return metrics
+
+
+def _fine_tune(request: StageRequest, steps: int, tokenizer, demonstrations, out: Path) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    plan = request.plan
+    out.mkdir(parents=True, exist_ok=True)
     model = AutoModelForCausalLM.from_pretrained(request.policy_dir)
-    split = plan.task.train
-    family_name = split.family or plan.task.family
-    rows, index, template = [], {}, training_chat_template(tokenizer)
+    rows, index = [], {}
     with JsonlWriter(out / "demonstrations.jsonl") as demos:
-        for item in get_family(family_name).generate(split.split, split.n, split.seed):
-            ids, mask = demonstration_ids(tokenizer, family_name, item, template)
-            demos.write(Demonstration(task_id=item.task_id, input_ids=ids, target_mask=mask))
+        for task_id, ids, mask in demonstrations:
+            demos.write(Demonstration(task_id=task_id, input_ids=ids, target_mask=mask))
             rows.append({"input_ids": ids, "assistant_masks": mask})
-            index[tuple(ids)] = item.task_id
+            index[tuple(ids)] = task_id
+    if not rows:
+        raise ValueError("no demonstrations to fine-tune on: the distillation teacher kept no sample (see the distill "
+                         "stage's teacher.jsonl)")
     with JsonlWriter(out / "training.jsonl") as training:
         stats = sft(model, tokenizer, rows, out / "checkpoints", steps=steps, batch_size=plan.budget.prompts_per_step,
                     learning_rate=plan.budget.learning_rate, seed=plan.sampling.seed, resume_from=request.resume_from,
                     save_steps=1, callbacks=[completion_marker()], gpus=plan.budget.gpus,
                     trainer_class=_recording_trainer(training, index, request.stage))
-    return {"loss": stats["losses"], "global_step": stats["steps"], "recipe": "sft"}
+    return {"loss": stats["losses"], "global_step": stats["steps"], "recipe": plan.recipe,
+            "demonstrations": len(rows)}
+
+
+def _demonstrations(request: StageRequest, tokenizer) -> list[tuple[str, list[int], list[int]]]:
+    """(task_id, ids, assistant mask): the train split's reference demonstrations (recipe sft), or the
+    distillation teacher's kept samples (recipe distill), rendered by the policy's own template."""
+    if request.plan.recipe == "distill":
+        from .distill import teacher_demonstrations
+
+        return teacher_demonstrations(tokenizer, Path(request.options["demonstrations"]))
+    split = request.plan.task.train
+    family_name = split.family or request.plan.task.family
+    template = training_chat_template(tokenizer)
+    return [(item.task_id, *demonstration_ids(tokenizer, family_name, item, template))
+            for item in get_family(family_name).generate(split.split, split.n, split.seed)]
+
+
+def _reference_demonstrations(request: StageRequest, tokenizer,
+                              sample_ids: list[str]) -> list[tuple[str, list[int], list[int]]]:
+    """The reference demonstration of each kept sample's item ("<task_id>/attempt-<a>"), one per sample."""
+    split = request.plan.task.train
+    family_name = split.family or request.plan.task.family
+    items = {item.task_id: item for item in get_family(family_name).generate(split.split, split.n, split.seed)}
+    template = training_chat_template(tokenizer)
+    return [(f"{sample_id}/reference",
+             *demonstration_ids(tokenizer, family_name, items[sample_id.rsplit("/attempt-", 1)[0]], template))
+            for sample_id in sample_ids]
