@@ -249,7 +249,7 @@ def sft(model, tokenizer, rows, out_dir: Path, *, steps: int, batch_size: int, l
         per_device_train_batch_size=batch_size,
         learning_rate=learning_rate,
         lr_scheduler_type="cosine",
-        warmup_steps=max(1, steps // 20),
+        warmup_steps=steps // 20,  # none under 20 steps: a 1-step warmup starts at learning rate 0, a no-op step
         logging_steps=1 if save_steps else max(1, steps // 10),
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
