@@ -122,6 +122,15 @@ def test_a_bad_distill_plan_names_its_field(tmp_path, edit, message):
         load_plan(bad)
 
 
+def test_only_a_stack_that_samples_a_teacher_runs_the_recipe():
+    from runner._plan_checks import arm_problem
+
+    assert arm_problem(plan(), ["trl"]) is None
+    problem = arm_problem(plan(), ["trl", "openenv", "skyrl-gym"])
+    assert problem == ("recipe distill needs a stack that samples the teacher and fine-tunes the student (trl); "
+                       "openenv, skyrl-gym cannot")
+
+
 @pytest.mark.slow
 def test_a_distill_plan_qualifies_with_its_matched_baseline_and_its_accounting_adds_up(tmp_path):
     """`runner qualify --stack trl` on the distill plan, made small: the demo's tiny policy as the teacher, a
