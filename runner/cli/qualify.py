@@ -76,6 +76,10 @@ def qualify(
 ) -> None:
     """Qualify one stack on one plan: probe, service, rollout, update, resume, train, evaluate.
 
+    The plan's recipe picks the stages: grpo all but distill; sft no rollout (demonstrations, not samples);
+    distill no rollout, and a distill stage where a teacher's samples are judged and the kept ones become
+    the student's demonstrations (with a matched SFT baseline beside it).
+
     Each stage runs the stack's adapter in its own environment and writes evidence.json; the host then
     audits the files (trained tokens == sampled tokens, masks, logprobs, resume replay, held-out and
     retention statistics). The first stage that does not pass stops the arm. Exit code 0 only if every
