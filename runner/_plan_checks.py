@@ -135,13 +135,13 @@ def _policy_problems(spec: PolicySpec, where: str, *, frozen: bool) -> Iterator[
     """What is wrong with a policy (the plan's, or a distillation teacher) before anything is built."""
     if spec.kind == "path":
         if not spec.path:
-            yield f"{where}.path", "required when kind is 'path'"
+            yield f"{where}.path", f"required when {where}.kind is 'path'"
         elif problems := checkpoint_problems(Path(spec.path), spec.tool_format):
             yield f"{where}.path", "the checkpoint cannot be used: " + "; ".join(problems)
         return  # a tiny recipe left beside kind: path is not used
     for field in ("path", "sha256"):
         if getattr(spec, field) is not None and not frozen:  # a frozen plan (plan.json) names its build
-            yield f"{where}.{field}", "given with kind 'tiny', which builds its own weights; use kind: path"
+            yield f"{where}.{field}", f"given with {where}.kind 'tiny', which builds its own weights; use kind: path"
     try:
         recipe = msgspec.convert(spec.tiny or {}, TinyRecipe)
     except msgspec.ValidationError as error:

@@ -106,7 +106,7 @@ def _resolved(spec: PolicySpec, where: str, plan: Plan, engine: LocalEngine) -> 
         path = build_tiny(engine, dict(spec.tiny or {}), plan)
     else:
         if not spec.path:
-            raise UserError(f"plan field {where}.path: required when kind is 'path'")
+            raise UserError(f"plan field {where}.path: required when {where}.kind is 'path'")
         path = Path(spec.path).expanduser().resolve()
         problems = checkpoint_problems(path, spec.tool_format)
         if problems:

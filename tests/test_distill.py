@@ -111,7 +111,7 @@ def test_a_sample_of_an_evaluation_item_is_dropped_and_never_taught():
     (lambda text: text.split("distill:\n")[0] + text.split("fewer repeats\n")[1],
      r"field distill: recipe distill needs a distill block"),
     (lambda text: text.replace("teacher: {kind: tiny, tiny: {seed: 0}}", "teacher: {kind: path}"),
-     r"field distill.teacher.path: required when kind is 'path'"),
+     r"field distill.teacher.path: required when distill.teacher.kind is 'path'"),
     (lambda text: text.replace("samples_per_item: 4", "samples_per_item: 0"),
      r"field distill.samples_per_item: Expected `int` >= 1"),
 ])

@@ -11,12 +11,17 @@ from typing import Any
 
 import msgspec
 
-from qualification.gates.distill import evaluation_questions, expected_drop
-from qualification.tasks import TaskItem
+from qualification.tasks import TaskItem, get_family
 from runner_contracts import TEACHER_FILE, JsonlWriter, StageRequest, TeacherSample, ToolCallRecord, iter_jsonl
 
 from .environment import environment_class, tool_methods
 from .policy import conversation_ids, training_chat_template
+
+
+def _held_out_questions(plan) -> set[str]:
+    return {item.question for spec in (plan.task.heldout, plan.task.retention)
+            for item in get_family(spec.family or plan.task.family).generate(spec.split, spec.n, spec.seed)}
+
 
 def _plain(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """TRL's completion messages as JSON (tool-call arguments stay dicts)."""
@@ -36,7 +41,7 @@ def sample_teacher(request: StageRequest) -> dict[str, Any]:
     out = Path(request.out_dir)
     trainer = build_trainer(teacher, Path(request.options["teacher_policy"]), out / "scratch", steps=1,
                             recorder=None, train_items=rows)
-    questions, seen = evaluation_questions(plan), set()
+    questions, seen = _held_out_questions(plan), set()
     counts = {"samples": 0, "kept": 0}
     with JsonlWriter(out / TEACHER_FILE) as writer:
         for attempt in range(spec.samples_per_item):
@@ -51,7 +56,11 @@ def sample_teacher(request: StageRequest) -> dict[str, Any]:
                     finish_reason=finish, success=success, kept=False,
                     tool_calls=[ToolCallRecord(name=c.name, arguments=c.arguments, result=c.result)
                                 for c in transcript.tool_calls])
-                dropped = expected_drop(sample, success, questions, seen)
+                key = json.dumps(sample.messages, sort_keys=True)
+                dropped = ("rejected-by-scorer" if not success else "truncated" if finish != "stop"
+                           else "overlaps-evaluation" if item.question in questions
+                           else "duplicate" if key in seen else None)
+                seen.add(key)
                 counts["samples"] += 1
                 counts[dropped or "kept"] = counts.get(dropped or "kept", 0) + 1
                 writer.write(msgspec.structs.replace(sample, kept=dropped is None, dropped=dropped))
