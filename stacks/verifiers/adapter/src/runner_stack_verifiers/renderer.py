@@ -20,7 +20,9 @@ from renderers.base import (
     ParsedToolCall,
     RenderedTokens,
     ToolCallParseStatus,
+    extract_message_tool_names,
 )
+from jinja2 import TemplateError
 from renderers.configs import BaseRendererConfig, DefaultRendererConfig
 from renderers.default import DefaultRenderer
 from runner_kit.policy import canonical_messages, canonical_tools
@@ -48,6 +50,29 @@ class PolicyTemplateRenderer(DefaultRenderer):
     @property
     def supports_tools(self) -> bool:
         return True
+
+    def render(self, messages, *, tools=None, add_generation_prompt: bool = False) -> RenderedTokens:
+        """DefaultRenderer's per-message attribution, except that a prefix the template cannot render on its own
+        is attributed with the message that completes it: Llama 3.1's template puts the tools in the first user
+        message and refuses a system-only conversation with tools."""
+        token_ids: list[int] = []
+        indices: list[int] = []
+        for index in range(len(messages)):
+            try:
+                rendered = self._apply(messages[: index + 1], tools=tools)
+            except TemplateError:
+                if index == len(messages) - 1:
+                    raise
+                continue
+            indices.extend([index] * (len(rendered) - len(token_ids)))
+            token_ids = rendered
+        if add_generation_prompt:
+            rendered = self._apply(messages, tools=tools, add_generation_prompt=True)
+            indices.extend([-1] * (len(rendered) - len(token_ids)))
+            token_ids = rendered
+        return RenderedTokens(token_ids=token_ids, message_indices=indices,
+                              message_roles=[m.get("role") or "" for m in messages],
+                              message_tool_names=extract_message_tool_names(messages))
 
     def _apply(self, messages, *, tools=None, add_generation_prompt=False) -> list[int]:
         return self._encode(self._text(messages, tools, add_generation_prompt))
