@@ -308,15 +308,14 @@ def client_config(policy: PolicyEndpoint, episode_id: str):
     import verifiers.v1 as vf
     from renderers.configs import CustomRendererConfig
 
-    from .renderer import IMPORT_PATH, TOOL_FORMAT
+    from .renderer import import_path
 
-    TOOL_FORMAT["value"] = policy.tool_format
     base_url = policy.episode_base_url(episode_id)
     # api_key_var names an unset variable: the key is "EMPTY" and no hosted-service credential is read.
     common = {"base_url": base_url, "api_key_var": "RUNNER_POLICY_API_KEY",
               "headers": {"Connection": "close"}}
     if policy.tokenizer_dir:
-        return vf.TrainClientConfig(**common, renderer=CustomRendererConfig(import_path=IMPORT_PATH),
+        return vf.TrainClientConfig(**common, renderer=CustomRendererConfig(import_path=import_path(policy.tool_format)),
                                     renderer_model_name=policy.tokenizer_dir)
     return vf.EvalClientConfig(**common)
 

@@ -28,10 +28,6 @@ from renderers.default import DefaultRenderer
 from runner_kit.policy import canonical_messages, canonical_tools
 from runner_kit.tool_formats import completion_text, parse_tool_calls
 
-IMPORT_PATH = "runner_stack_verifiers.renderer.PolicyTemplateRenderer"
-# How the policy writes tool calls: the plan's, set by the backend before it makes clients (verifiers builds
-# the renderer from its import path alone; one service serves one plan).
-TOOL_FORMAT = {"value": "hermes"}
 
 
 class PolicyTemplateRendererConfig(BaseRendererConfig):
@@ -40,6 +36,7 @@ class PolicyTemplateRendererConfig(BaseRendererConfig):
 
 class PolicyTemplateRenderer(DefaultRenderer):
     config_class = PolicyTemplateRendererConfig
+    tool_format = "hermes"  # how the policy writes tool calls; a subclass per format below
 
     def __init__(self, tokenizer, config: PolicyTemplateRendererConfig | None = None):
         super().__init__(tokenizer, DefaultRendererConfig())
@@ -86,7 +83,7 @@ class PolicyTemplateRenderer(DefaultRenderer):
 
     def parse_response(self, token_ids: list[int], *, tools=None, prompt_ids=None) -> ParsedResponse:
         ids = [token for token in token_ids if token not in self._turn_close_ids]
-        content, calls = parse_tool_calls(completion_text(self._tokenizer, ids, TOOL_FORMAT["value"]), TOOL_FORMAT["value"])
+        content, calls = parse_tool_calls(completion_text(self._tokenizer, ids, self.tool_format), self.tool_format)
         # Unique call ids: without one, TrainClient numbers calls per turn ("call_0" in every turn).
         parsed = [ParsedToolCall(raw=json.dumps({"name": call["function"]["name"],
                                                  "arguments": json.loads(call["function"]["arguments"])},
@@ -141,3 +138,16 @@ class PolicyTemplateRenderer(DefaultRenderer):
 def _dicts(messages: list[Any]) -> list[dict[str, Any]]:
     """verifiers hands messages as pydantic models or dicts."""
     return [message if isinstance(message, dict) else message.model_dump() for message in messages]
+
+
+# verifiers builds the renderer from its import path alone, in its env server's own process: the path names
+# the plan's tool-call format (a module global set by the backend would not reach that process).
+HermesRenderer = type("HermesRenderer", (PolicyTemplateRenderer,), {"tool_format": "hermes"})
+Llama3JsonRenderer = type("Llama3JsonRenderer", (PolicyTemplateRenderer,), {"tool_format": "llama3_json"})
+MistralRenderer = type("MistralRenderer", (PolicyTemplateRenderer,), {"tool_format": "mistral"})
+RENDERERS = {"hermes": HermesRenderer, "llama3_json": Llama3JsonRenderer, "mistral": MistralRenderer}
+
+
+def import_path(tool_format: str) -> str:
+    return f"{__name__}.{RENDERERS[tool_format].__name__}"
+
