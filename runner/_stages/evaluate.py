@@ -16,9 +16,10 @@ def stage_evaluate(arm: Arm) -> StageOutput:
                                            "checkpoint in this run directory; run the train stage first"))
     out = arm.stage_dir("evaluate")
     options = {"trained_policy": str(trained.resolve())}
-    baseline = latest_complete_checkpoint(arm.stage_dir("train") / "baseline" / "checkpoints")
-    if arm.plan.recipe == "distill" and baseline is not None:
-        options["baseline_policy"] = str(baseline.resolve())
+    if arm.plan.recipe == "distill":  # and the matched SFT baseline the train stage fine-tuned beside it
+        baseline = latest_complete_checkpoint(arm.stage_dir("train") / "baseline" / "checkpoints")
+        if baseline is not None:
+            options["baseline_policy"] = str(baseline.resolve())
     _, result = run_adapter(arm, "evaluate", out, options=options)
     gates, summary = evaluate_gates(read_jsonl(out / "eval.jsonl", EvalRecord), arm.plan.gates.retention_margin,
                                     arm.plan.gates.confidence)

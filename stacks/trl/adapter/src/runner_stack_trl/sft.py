@@ -85,20 +85,21 @@ def _demonstrations(request: StageRequest, tokenizer) -> list[tuple[str, list[in
         from .distill import teacher_demonstrations
 
         return teacher_demonstrations(tokenizer, Path(request.options["demonstrations"]))
-    split = request.plan.task.train
-    family_name = split.family or request.plan.task.family
-    template = training_chat_template(tokenizer)
-    return [(item.task_id, *demonstration_ids(tokenizer, family_name, item, template))
-            for item in get_family(family_name).generate(split.split, split.n, split.seed)]
+    return _reference(request, tokenizer, None)
 
 
 def _reference_demonstrations(request: StageRequest, tokenizer,
                               sample_ids: list[str]) -> list[tuple[str, list[int], list[int]]]:
     """The reference demonstration of each kept sample's item ("<task_id>/attempt-<a>"), one per sample."""
+    return _reference(request, tokenizer, sample_ids)
+
+
+def _reference(request: StageRequest, tokenizer, sample_ids: list[str] | None):
+    """The train split's reference demonstrations: one per item, or one per sample id (named after it)."""
     split = request.plan.task.train
     family_name = split.family or request.plan.task.family
     items = {item.task_id: item for item in get_family(family_name).generate(split.split, split.n, split.seed)}
     template = training_chat_template(tokenizer)
-    return [(f"{sample_id}/reference",
-             *demonstration_ids(tokenizer, family_name, items[sample_id.rsplit("/attempt-", 1)[0]], template))
-            for sample_id in sample_ids]
+    pairs = ([(task_id, item) for task_id, item in items.items()] if sample_ids is None else
+             [(f"{sample_id}/reference", items[sample_id.rsplit("/attempt-", 1)[0]]) for sample_id in sample_ids])
+    return [(name, *demonstration_ids(tokenizer, family_name, item, template)) for name, item in pairs]
