@@ -67,6 +67,7 @@ bench: system-deps $(BENCH_STAMP)
 	$(BIN)/python bench/bench_validate.py
 	$(BIN)/python bench/bench_overhead.py
 	$(BIN)/python bench/bench_environments.py
+	$(BIN)/python bench/bench_policy_server.py
 	$(BIN)/python bench/bench_engines.py
 	$(BIN)/python bench/results.py
 

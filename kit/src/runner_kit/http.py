@@ -109,6 +109,7 @@ class JsonServer:
         class Server(ThreadingHTTPServer):
             daemon_threads = True
             allow_reuse_address = False
+            request_queue_size = 256  # listen backlog: socketserver's 5 resets a burst of concurrent episodes
 
         if sock is None:
             self._server = Server(("127.0.0.1", port), Handler)

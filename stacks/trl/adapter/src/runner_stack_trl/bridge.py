@@ -32,7 +32,7 @@ from runner_kit.http import post_json
 from .grpo import Recorder, get_item_id, task_rows, training_metrics
 from .policy_server import PolicyServer
 
-CONCURRENCY = 4
+CONCURRENCY = 32  # episodes in flight: the policy server batches their calls (batching.py)
 
 
 def request_rollouts(service_url: str, episodes: list[EpisodeSpec], server: PolicyServer, plan: Plan,
@@ -195,8 +195,8 @@ def rollout(request: StageRequest) -> StageResult:
     finally:
         recorder.close(ok)
         bridge.server.close(ok)
-    return StageResult(stage=request.stage, metrics={"steps": recorder.steps, "batches": bridge.batches},
-                       files=_files())
+    return StageResult(stage=request.stage, files=_files(), metrics={
+        "steps": recorder.steps, "batches": bridge.batches, "policy_batching": bridge.server.sampler.evidence()})
 
 
 def train(request: StageRequest) -> StageResult:
@@ -212,7 +212,8 @@ def train(request: StageRequest) -> StageResult:
         recorder.close(ok)
         bridge.server.close(ok)
     return StageResult(stage=request.stage, files={**_files(), "checkpoints": "checkpoints"}, metrics={
-        "steps": recorder.steps, "batches": bridge.batches, **training_metrics(trainer)})
+        "steps": recorder.steps, "batches": bridge.batches, "policy_batching": bridge.server.sampler.evidence(),
+        **training_metrics(trainer)})
 
 
 def evaluate(request: StageRequest) -> StageResult:
@@ -225,6 +226,7 @@ def evaluate(request: StageRequest) -> StageResult:
     policies = {"base": Path(request.policy_dir), "trained": Path(request.options["trained_policy"])}
     splits = [("heldout", plan.task.heldout), ("retention", plan.task.retention)]
     counts: dict[str, dict[str, int]] = {}
+    batching: dict[str, dict[str, Any]] = {}
     out_dir = Path(request.out_dir)
     with JsonlWriter(out_dir / "eval.jsonl") as writer:
         for label, path in policies.items():
@@ -260,6 +262,7 @@ def evaluate(request: StageRequest) -> StageResult:
                                 attempt=attempt or 0))
             finally:
                 server.close()
+                batching[label] = server.sampler.evidence()
     decoding = "greedy" + (f" and {plan.evaluation.attempts} sampled attempts" if plan.evaluation else "")
-    return StageResult(stage="evaluate", metrics={"counts": counts, "decoding": decoding},
+    return StageResult(stage="evaluate", metrics={"counts": counts, "decoding": decoding, "policy_batching": batching},
                        files={"eval": "eval.jsonl"})

@@ -10,6 +10,7 @@ server returned (an edited turn), the conversation is rendered afresh and the tr
 
 Sampling is seeded per call from (plan seed, episode id, call index), so an episode's tokens do not
 depend on how concurrent episodes interleave, and a resumed run samples what the uninterrupted one did.
+Concurrent calls share decode steps (batching.py), bit-identical to sampling each call alone.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from runner_kit.policy import (
     token_logprobs,
 )
 
+from .batching import MAX_ROWS, BatchingSampler
+
 
 def call_seed(base_seed: int, episode_id: str, index: int) -> int:
     digest = hashlib.sha256(f"{base_seed}\0{episode_id}\0{index}".encode()).digest()
@@ -58,15 +61,15 @@ class PolicyServer:
     model_name = "policy"
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSpec, calls_path: Path, revision: str,
-                 tool_format: str = "hermes"):
+                 tool_format: str = "hermes", max_rows: int = MAX_ROWS):
         self.model, self.tokenizer = model, tokenizer
         self.tool_format = tool_format  # how the checkpoint writes tool calls (plan policy.tool_format)
         self.sampling = sampling
         self.revision = revision
         self.greedy = False  # evaluation decodes greedily whatever the request asks, as the trl arm does
-        self.eos_ids = {tokenizer.eos_token_id} | ({tokenizer.pad_token_id} - {None})
+        self.sampler = BatchingSampler(model, {tokenizer.eos_token_id} | ({tokenizer.pad_token_id} - {None}),
+                                       max_rows=max_rows)
         self._writer = JsonlWriter(calls_path)
-        self._lock = threading.Lock()  # one generation at a time: CPU-bound, and the model is shared
         self._log_lock = threading.Lock()
         self._episodes: dict[str, _EpisodeHistory] = {}
         self._calls: dict[tuple[str | None, int], list[PolicyCall]] = {}  # (episode, attempt) -> calls in order
@@ -87,6 +90,7 @@ class PolicyServer:
 
     def close(self, ok: bool = True) -> None:
         self._server.stop()
+        self.sampler.close()
         self._writer.close() if ok else self._writer.abandon()
 
     def calls_of(self, episode_id: str, attempt: int = 1) -> list[PolicyCall]:
@@ -94,55 +98,22 @@ class PolicyServer:
         with self._log_lock:
             return list(self._calls.get((episode_id, attempt), ()))
 
-    # --- sampling --------------------------------------------------------------------------------------
-
-    def sample(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
-               seed: int) -> tuple[list[int], list[float], str]:
-        """Autoregressive sampling with a KV cache: (ids, logprobs under the processed distribution, finish)."""
-        import torch
-
-        greedy = self.greedy or temperature <= 0
-        generator = torch.Generator().manual_seed(seed)
-        ids: list[int] = []
-        logprobs: list[float] = []
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                output = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True)
-                for _ in range(max_new_tokens):
-                    logits = output.logits[0, -1].float()
-                    if greedy:
-                        scores = torch.log_softmax(logits, dim=-1)
-                        token = int(torch.argmax(scores))
-                    else:
-                        scores = _processed_logprobs(logits, temperature, top_p, top_k)
-                        token = int(torch.multinomial(scores.exp(), 1, generator=generator))
-                    ids.append(token)
-                    logprobs.append(min(0.0, float(scores[token])))
-                    if token in self.eos_ids:
-                        return ids, logprobs, "stop"
-                    output = self.model(input_ids=torch.tensor([[token]]), past_key_values=output.past_key_values,
-                                        use_cache=True)
-        finally:
-            self.model.train(was_training)
-        return ids, logprobs, "length"
+    # --- sampling ---------------------------------------------------------------------------------------
 
     def _sample_logged(self, wire_id: str, channel: str, endpoint: str, prompt_ids: list[int],
                        body: dict[str, Any], index: int) -> PolicyCall:
         episode, attempt = split_attempt(wire_id)
         started = time.monotonic()
-        with self._lock:
-            ids, logprobs, finish = self.sample(
-                prompt_ids,
-                max_new_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens")
-                                   or self.sampling.max_new_tokens),
-                temperature=float(body["temperature"]) if body.get("temperature") is not None else self.sampling.temperature,
-                top_p=float(body["top_p"]) if body.get("top_p") is not None else self.sampling.top_p,
-                top_k=int(body["top_k"]) if body.get("top_k") is not None else self.sampling.top_k,
-                seed=call_seed(self.sampling.seed, episode, index),  # a retry re-samples what attempt 1 would
-            )
-            revision = self.revision
+        revision = self.revision
+        ids, logprobs, finish = self.sampler.sample(
+            prompt_ids,
+            max_new_tokens=int(body.get("max_tokens") or body.get("max_completion_tokens")
+                               or self.sampling.max_new_tokens),
+            temperature=float(body["temperature"]) if body.get("temperature") is not None else self.sampling.temperature,
+            top_p=float(body["top_p"]) if body.get("top_p") is not None else self.sampling.top_p,
+            top_k=int(body["top_k"]) if body.get("top_k") is not None else self.sampling.top_k,
+            seed=call_seed(self.sampling.seed, episode, index),  # a retry re-samples what attempt 1 would
+            greedy=self.greedy)
         record = PolicyCall(call_id=f"{wire_id}#{index}", episode_id=episode, channel=channel, endpoint=endpoint,
                             attempt=attempt, index_in_episode=index, policy_revision=revision, prompt_ids=prompt_ids,
                             completion_ids=ids, logprobs=logprobs, finish_reason=finish,
@@ -238,20 +209,3 @@ class PolicyServer:
             "text": completion_text(self.tokenizer, record.completion_ids, self.tool_format),
             "logprobs": {"content": token_logprobs(record.completion_ids, record.logprobs)},
         }], "prompt_token_ids": prompt_ids, "model": self.model_name})
-
-
-def _processed_logprobs(logits, temperature: float, top_p: float, top_k: int):
-    """log-probabilities after temperature, top-k and top-p, in that order (transformers' warper order)."""
-    import torch
-
-    scores = logits / temperature
-    if top_k and top_k < scores.numel():
-        kth = torch.topk(scores, top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - top_p)
-        remove[-1] = False
-        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    return torch.log_softmax(scores, dim=-1)

@@ -1,0 +1,391 @@
+"""Continuous batching for the policy server, batch-invariant by construction.
+
+Concurrent calls share decode steps: a scheduler thread admits each new call between steps (its prefill runs
+alone) and then runs one forward pass over every active call's next token. Each call keeps its own seeded
+sampler, so its sampled ids and logprobs are bit-identical to sampling it alone, whatever else is in the
+batch. Two things make the shared forward pass exact:
+
+- every nn.Linear runs one row at a time: a BLAS gemm's rounding depends on how many rows it multiplies
+  (on CPU one row takes the gemv path, two or three rows one kernel, four or more another), and a row
+  alone is what one-at-a-time sampling multiplies;
+- attention runs per row over that row's own keys (the batched cache is left-padded, and the padding never
+  enters a reduction).
+
+Everything else in a decoder layer (norms, rotary embeddings, activations) is row-wise already. Each
+sampler checks this on its model before it batches (`batch_invariance`): two prompts decoded together must
+give the logits they give alone, bit for bit, or it samples one call at a time and says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_ROWS = 64  # calls decoded together; more wait for a free row
+
+
+def processed_logprobs(logits, temperature: float, top_p: float, top_k: int):
+    """log-probabilities after temperature, top-k and top-p, in that order (transformers' warper order)."""
+    import torch
+
+    scores = logits / temperature
+    if top_k and top_k < scores.numel():
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[-1] = False
+        scores = scores.masked_fill(remove.scatter(0, order, remove), float("-inf"))
+    return torch.log_softmax(scores, dim=-1)
+
+
+@dataclass
+class _Call:
+    """One generation: its sampling parameters, its own seeded generator and what it has sampled so far."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    greedy: bool
+    seed: int
+    eos_ids: set[int]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+    error: BaseException | None = None
+    length: int = 0  # tokens in this call's KV cache
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        import torch
+
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def take(self, logits) -> bool:
+        """Samples the next token from `logits` (this call's last position); True when the call is finished."""
+        import torch
+
+        logits = logits.float().cpu()
+        if self.greedy:
+            scores = torch.log_softmax(logits, dim=-1)
+            token = int(torch.argmax(scores))
+        else:
+            scores = processed_logprobs(logits, self.temperature, self.top_p, self.top_k)
+            token = int(torch.multinomial(scores.exp(), 1, generator=self.generator))
+        self.ids.append(token)
+        self.logprobs.append(min(0.0, float(scores[token])))
+        if token in self.eos_ids:
+            return self.end("stop")
+        if len(self.ids) >= self.max_new_tokens:
+            return self.end("length")
+        return False
+
+    def end(self, finish: str | None, error: BaseException | None = None) -> bool:
+        self.finish, self.error = finish, error
+        self.done.set()
+        return True
+
+
+class _Rowwise:
+    """While active (in the thread that activated it): linears one row at a time, attention per row."""
+
+    name = "runner_rowwise"
+    _registered = False
+
+    def __init__(self) -> None:
+        self.thread: int | None = None
+        self.lengths: list[int] = []
+        self.attention_calls = 0
+
+    def register(self) -> None:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        if not _Rowwise._registered:
+            AttentionInterface.register(self.name, _rowwise_attention)
+            AttentionMaskInterface.register(self.name, sdpa_mask)
+            _Rowwise._registered = True
+
+    @contextlib.contextmanager
+    def active(self, model, lengths: list[int]):
+        import torch
+
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        implementation = model.config._attn_implementation
+        for module in linears:
+            module.forward = _rowwise_linear(module)
+        model.config._attn_implementation = self.name
+        self.thread, self.lengths, self.attention_calls = threading.get_ident(), lengths, 0
+        _ACTIVE.append(self)
+        try:
+            yield
+        finally:
+            _ACTIVE.remove(self)
+            self.thread = None
+            model.config._attn_implementation = implementation
+            for module in linears:
+                del module.forward
+
+
+_ACTIVE: list[_Rowwise] = []
+
+
+def _active_here() -> _Rowwise | None:
+    me = threading.get_ident()
+    return next((rows for rows in _ACTIVE if rows.thread == me), None)
+
+
+def _rowwise_linear(module):
+    import torch
+    import torch.nn.functional as F
+
+    def forward(x):
+        if _active_here() is None or x.shape[0] == 1:  # another thread (the trainer), or nothing to split
+            return F.linear(x, module.weight, module.bias)
+        return torch.cat([F.linear(x[i:i + 1], module.weight, module.bias) for i in range(x.shape[0])])
+
+    return forward
+
+
+def _rowwise_attention(module, query, key, value, attention_mask, **kwargs):
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    rows = _active_here()
+    if rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    rows.attention_calls += 1
+    total = key.shape[2]
+    outputs = [sdpa_attention_forward(module, query[i:i + 1], key[i:i + 1, :, total - n:], value[i:i + 1, :, total - n:],
+                                      None, **kwargs)[0] for i, n in enumerate(rows.lengths)]
+    return torch.cat(outputs, 0), None
+
+
+class BatchingSampler:
+    """Samples calls on `model` (shared with the trainer), batching concurrent calls when that is exact.
+
+    `mode` is "batched" or "one at a time"; `reason` says why when it is not batched. `stats` counts calls,
+    decode steps and the rows they carried (the evidence reports them)."""
+
+    def __init__(self, model, eos_ids: set[int], *, max_rows: int = MAX_ROWS):
+        self.model, self.eos_ids, self.max_rows = model, eos_ids, max_rows
+        self.stats = {"calls": 0, "decode_steps": 0, "rows_decoded": 0, "max_rows": 0}
+        self._rowwise = _Rowwise()
+        self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # one at a time: the model is shared
+        self._stats_lock = threading.Lock()
+        self.mode, self.reason = "one at a time", "max_rows is 1"
+        if max_rows > 1:
+            self.reason = self._check()
+            self.mode = "batched" if not self.reason else "one at a time"
+        self._thread = threading.Thread(target=self._run, name="policy-batcher", daemon=True)
+        if self.mode == "batched":
+            self._thread.start()
+
+    def evidence(self) -> dict[str, Any]:
+        steps = self.stats["decode_steps"]
+        return {"mode": self.mode, **({"reason": self.reason} if self.reason else {}), **self.stats,
+                "mean_rows": round(self.stats["rows_decoded"] / steps, 2) if steps else 0.0}
+
+    def sample(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
+               seed: int, greedy: bool) -> tuple[list[int], list[float], str]:
+        """(sampled ids, their logprobs under the processed distribution, finish reason "stop" or "length")."""
+        call = _Call(prompt_ids, max_new_tokens, temperature, top_p, top_k, greedy or temperature <= 0, seed,
+                     self.eos_ids)
+        with self._stats_lock:
+            self.stats["calls"] += 1
+        if max_new_tokens <= 0:
+            call.end("length")
+        elif self.mode == "batched":
+            self._queue.put(call)
+            call.done.wait()
+        else:
+            with self._lock, self._inference():
+                self._alone(call)
+        if call.error is not None:
+            raise call.error
+        return call.ids, call.logprobs, call.finish or "length"
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+
+    # --- one at a time: the reference every batched call equals ------------------------------------------
+
+    def _alone(self, call: _Call) -> None:
+        import torch
+
+        output = self._prefill(call)
+        while not call.take(output.logits[0, -1]):
+            output = self.model(input_ids=torch.tensor([[call.ids[-1]]], device=self.model.device),
+                                past_key_values=output.past_key_values, use_cache=True)
+
+    @contextlib.contextmanager
+    def _inference(self):
+        import torch
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.model.train(was_training)
+
+    # --- batched -----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        waiting: list[_Call] = []
+        active: list[_Call] = []
+        cache = None
+        while True:
+            if not active and not waiting:
+                waiting.append(self._queue.get())
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    waiting.append(self._queue.get_nowait())
+            if None in waiting:  # closed: nothing is left unanswered
+                for call in active + waiting:
+                    if call is not None:
+                        call.end(None, RuntimeError("the policy server closed during the call"))
+                return
+            with self._inference():
+                while waiting and len(active) < self.max_rows:
+                    call = waiting.pop(0)
+                    try:
+                        cache = self._admit(call, active, cache)
+                    except Exception as error:  # noqa: BLE001 - answered to the caller, who reports it
+                        call.end(None, error)
+                if active:
+                    try:
+                        cache = self._step(active, cache)
+                    except Exception as error:  # noqa: BLE001
+                        for call in active:
+                            call.end(None, error)
+                        active, cache = [], None
+
+    def _admit(self, call: _Call, active: list[_Call], cache):
+        """Prefills `call` alone, samples its first token, and joins its cache to the batch's."""
+        output = self._prefill(call)
+        if call.take(output.logits[0, -1]):
+            return cache
+        active.append(call)
+        return _join(cache, output.past_key_values)
+
+    def _prefill(self, call: _Call):
+        import torch
+
+        call.length = len(call.prompt_ids)
+        return self.model(input_ids=torch.tensor([call.prompt_ids], device=self.model.device), use_cache=True)
+
+    def _decode(self, calls: list[_Call], tokens: list[int], cache):
+        """One forward pass over `tokens`, each the next token of its call, row-wise."""
+        import torch
+
+        device = self.model.device
+        positions = torch.tensor([[call.length] for call in calls], device=device)
+        with self._rowwise.active(self.model, [call.length + 1 for call in calls]):
+            output = self.model(input_ids=torch.tensor([[t] for t in tokens], device=device), position_ids=positions,
+                                past_key_values=cache, use_cache=True)
+            if self._rowwise.attention_calls != self.model.config.num_hidden_layers:
+                raise RuntimeError(f"the model's attention did not go through the attention interface "
+                                   f"({self._rowwise.attention_calls} of {self.model.config.num_hidden_layers} layers)")
+        for call in calls:
+            call.length += 1
+        return output
+
+    def _step(self, active: list[_Call], cache):
+        """One decode step over every active call; finished calls leave the batch."""
+        import torch
+
+        output = self._decode(active, [call.ids[-1] for call in active], cache)
+        with self._stats_lock:
+            self.stats["decode_steps"] += 1
+            self.stats["rows_decoded"] += len(active)
+            self.stats["max_rows"] = max(self.stats["max_rows"], len(active))
+        done = [call.take(output.logits[row, -1]) for row, call in enumerate(active)]
+        if not any(done):
+            return output.past_key_values
+        keep = [row for row, finished in enumerate(done) if not finished]
+        active[:] = [active[row] for row in keep]
+        if not keep:
+            return None
+        cache = output.past_key_values
+        width = max(call.length for call in active)
+        index = torch.tensor(keep, device=self.model.device)
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, -width:]
+            layer.values = layer.values.index_select(0, index)[:, :, -width:]
+        return cache
+
+    # --- the invariance check ----------------------------------------------------------------------------
+
+    def _check(self) -> str:
+        """Empty when batched decoding gives this model's one-at-a-time logits bit for bit; else why not."""
+        import torch
+
+        try:
+            from transformers.cache_utils import DynamicLayer
+        except ImportError as error:
+            return f"transformers without DynamicLayer ({error})"
+        if self.model.config._attn_implementation != "sdpa":
+            return f"attention implementation {self.model.config._attn_implementation!r} (batching needs 'sdpa')"
+        self._rowwise.register()
+        vocab = self.model.config.vocab_size
+        calls = [_Call([(7 * i + 3) % vocab for i in range(9)], 4, 1.0, 1.0, 0, True, 0, set()),
+                 _Call([(11 * i + 5) % vocab for i in range(5)], 4, 1.0, 1.0, 0, True, 0, set())]
+        steps = 3
+        with self._inference():
+            alone = []
+            for call in calls:
+                output = self._prefill(call)
+                logits = []
+                for step in range(steps):
+                    output = self.model(input_ids=torch.tensor([[call.prompt_ids[step]]], device=self.model.device),
+                                        past_key_values=output.past_key_values, use_cache=True)
+                    logits.append(output.logits[0, -1])
+                alone.append(logits)
+            cache = None
+            for call in calls:
+                prefilled = self._prefill(call).past_key_values
+                if not all(type(layer) is DynamicLayer for layer in prefilled.layers):
+                    return "the model's KV cache is not a plain DynamicCache (sliding window or static)"
+                cache = _join(cache, prefilled)
+            for step in range(steps):
+                try:
+                    output = self._decode(calls, [call.prompt_ids[step] for call in calls], cache)
+                except RuntimeError as error:
+                    return str(error)
+                cache = output.past_key_values
+                for row, call in enumerate(calls):
+                    if not torch.equal(output.logits[row, -1], alone[row][step]):
+                        difference = float((output.logits[row, -1] - alone[row][step]).abs().max())
+                        return f"batched logits differ from one-at-a-time ones by up to {difference:.3g}"
+        return ""
+
+
+def _join(cache, new):
+    """`new` (one call's prefilled cache) as another row of `cache`, both left-padded to the longer."""
+    import torch
+
+    if cache is None:
+        return new
+    width = max(cache.layers[0].keys.shape[2], new.layers[0].keys.shape[2])
+    for layer, added in zip(cache.layers, new.layers, strict=True):
+        layer.keys = torch.cat([_left_pad(layer.keys, width), _left_pad(added.keys, width)])
+        layer.values = torch.cat([_left_pad(layer.values, width), _left_pad(added.values, width)])
+    return cache
+
+
+def _left_pad(tensor, width: int):
+    import torch.nn.functional as F
+
+    return F.pad(tensor, (0, 0, width - tensor.shape[2], 0))

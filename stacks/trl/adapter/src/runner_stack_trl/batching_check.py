@@ -1,0 +1,100 @@
+"""Batch invariance, checked on a checkpoint: concurrent two-turn calc-tool episodes through the policy server over real
+HTTP, sampled one call at a time and then batched; prints one JSON line with both runs' calls compared bit
+for bit, their wall time and the sampler's evidence.
+
+    python -m runner_stack_trl.batching_check POLICY_DIR [--attention sdpa] [--episodes 48]
+
+The suite (tests/test_policy_batching.py) and `make bench` (bench/bench_policy_server.py) run it in the trl
+environment."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from qualification.tasks import get_family
+from runner_contracts import SamplingSpec
+from runner_kit.policy import openai_tools
+
+from .policy_server import PolicyServer
+
+SAMPLING = SamplingSpec(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=40, seed=7)
+
+
+def post(url: str, body: dict, episode: str) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                     "X-Episode-ID": episode})
+    return json.loads(urllib.request.urlopen(request, timeout=600).read())
+
+
+def episode(tokenizer, base_url: str, i: int) -> None:
+    """A calc-tool train item in two turns: the question, then the conversation with the tool's result (or a
+    nudge, when no tool was called). Every third episode greedy, the others hot with top-k or top-p; every
+    fourth episode's second turn token-in/token-out."""
+    family = get_family("calc-tool")
+    item = family.generate("train", i + 1, 0)[i]
+    tools = openai_tools(family)
+    params = [{"temperature": 0.0}, {"temperature": 1.3, "top_k": 20}, {"temperature": 0.9, "top_p": 0.8}][i % 3]
+    messages = [{"role": "system", "content": family.system_prompt}, {"role": "user", "content": item.question}]
+    reply = post(base_url + "/chat/completions", {"messages": messages, "tools": tools, **params},
+                 f"e{i}")["choices"][0]["message"]
+    messages.append({"role": "assistant", "content": reply.get("content") or "", **(
+        {"tool_calls": reply["tool_calls"]} if reply.get("tool_calls") else {})})
+    messages.append({"role": "tool", "content": str(item.reference["answer"])} if reply.get("tool_calls")
+                    else {"role": "user", "content": "Nutze den Rechner."})
+    if i % 4 == 3:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, return_dict=False)
+        post(base_url.removesuffix("/v1") + "/inference/v1/generate",
+             {"token_ids": list(ids), "sampling_params": {"max_tokens": 24, **params}}, f"e{i}")
+    else:
+        post(base_url + "/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 24, **params},
+             f"e{i}")
+
+
+def run(model, tokenizer, episodes: int, max_rows: int, folder: str) -> tuple[dict, dict, float]:
+    """(calls by id, the sampler's evidence, wall seconds) of `episodes` concurrent episodes."""
+    calls_path = Path(folder) / f"calls-{max_rows}.jsonl"
+    server = PolicyServer(model, tokenizer, sampling=SAMPLING, calls_path=calls_path, revision="r",
+                          max_rows=max_rows).start()
+    threads = [threading.Thread(target=episode, args=(tokenizer, server.base_url, i)) for i in range(episodes)]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.monotonic() - started
+    server.close()
+    calls = [json.loads(line) for line in calls_path.read_text().splitlines()]
+    return {c["call_id"]: c for c in calls}, server.sampler.evidence(), seconds
+
+
+def main() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("policy_dir")
+    parser.add_argument("--attention", default="sdpa")
+    parser.add_argument("--episodes", type=int, default=48)
+    args = parser.parse_args()
+    tokenizer = AutoTokenizer.from_pretrained(args.policy_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.policy_dir, attn_implementation=args.attention)
+    with tempfile.TemporaryDirectory() as folder:
+        alone, alone_evidence, alone_s = run(model, tokenizer, args.episodes, 1, folder)
+        batched, batched_evidence, batched_s = run(model, tokenizer, args.episodes, 64, folder)
+    keys = ("prompt_ids", "completion_ids", "logprobs", "finish_reason")
+    print(json.dumps({
+        "calls": len(alone), "same_calls": sorted(alone) == sorted(batched),
+        "differing": sorted(k for k in alone if k in batched and any(alone[k][f] != batched[k][f] for f in keys)),
+        "tokens": sum(len(c["completion_ids"]) for c in alone.values()),
+        "alone": {**alone_evidence, "seconds": round(alone_s, 3)},
+        "batched": {**batched_evidence, "seconds": round(batched_s, 3)},
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The policy server's continuous batching is batch-invariant: many concurrent episodes sampled batched get
+the token ids and logprobs (bit for bit) that one-at-a-time sampling gives them, whatever shares their
+decode steps; a model the server cannot batch exactly is sampled one call at a time, and says why.
+
+Runs the trl stack's PolicyServer on the cached tiny calc policy in the trl environment (real HTTP on
+127.0.0.1, real concurrent clients). Slow: needs the trl environment and the tiny policy (built once,
+cached under RUNNER_CACHE_DIR)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from runner.api import LocalEngine, build_tiny, get_stack, load_plan
+
+pytestmark = pytest.mark.slow
+
+PLAN = Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-cpu.yaml"
+
+@pytest.fixture(scope="module")
+def trl_and_policy():
+    engine = LocalEngine()
+    plan = load_plan(PLAN)
+    return engine.prepare(get_stack("trl")), build_tiny(engine, dict(plan.policy.tiny or {}), plan)
+
+
+def sample_both_ways(trl_and_policy, attention: str, episodes: int) -> dict:
+    trl, policy_dir = trl_and_policy
+    run = subprocess.run([str(trl.python), "-m", "runner_stack_trl.batching_check", str(policy_dir), "--attention",
+                          attention, "--episodes", str(episodes)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_concurrent_episodes_sampled_batched_equal_one_at_a_time_bit_for_bit(trl_and_policy):
+    found = sample_both_ways(trl_and_policy, "sdpa", 48)
+    assert found["calls"] == 96 and found["same_calls"], found
+    assert found["differing"] == [], found["differing"]
+    assert found["tokens"] > 96 * 3  # the calls decoded more than a token or two each
+    assert found["alone"]["mode"] == "one at a time" and found["alone"]["decode_steps"] == 0
+    batched = found["batched"]
+    assert batched["mode"] == "batched" and "reason" not in batched, batched
+    # Calls really shared decode steps: greedy, top-k and top-p calls side by side in one forward pass.
+    assert batched["max_rows"] >= 8 and batched["mean_rows"] > 2, batched
+    assert batched["rows_decoded"] + batched["calls"] >= found["tokens"]
+
+
+def test_a_model_the_server_cannot_batch_exactly_is_sampled_one_call_at_a_time_and_says_why(trl_and_policy):
+    found = sample_both_ways(trl_and_policy, "eager", 6)
+    assert found["differing"] == [] and found["same_calls"]
+    assert found["batched"]["mode"] == "one at a time"
+    assert found["batched"]["reason"] == "attention implementation 'eager' (batching needs 'sdpa')"
+    assert found["batched"]["decode_steps"] == 0
