@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from bisect import bisect_right
+from itertools import repeat
+from operator import mul, sub
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,25 +42,22 @@ class _Figures:
     outside: int = 0
     sum_mult: float = 0.0
 
-    def add(self, trainer: Sequence[float], sampler: Sequence[float]) -> None:
-        sequence_d = 0.0
-        for train_lp, sample_lp in zip(trainer, sampler, strict=True):
-            d = train_lp - sample_lp
-            r = math.exp(d)
-            self.tokens += 1
-            self.sum_abs += abs(d)
-            self.max_abs = max(self.max_abs, abs(d))
-            self.sum_neg_d -= d
-            self.sum_k3 += r - 1.0 - d
-            self.sum_chi2 += (r - 1.0) ** 2
-            self.sum_r += r
-            self.sum_r2 += r * r
-            self.min_r, self.max_r = min(self.min_r, r), max(self.max_r, r)
-            self.outside += abs(d) > BAND_LOG + 1e-12
-            self.sum_mult += math.exp(abs(d))
-            sequence_d += d
+    def add(self, terms: tuple) -> None:
+        """Adds one sequence's `sequence_terms`."""
+        (tokens, sum_abs, max_abs, sum_d, sum_k3, sum_chi2, sum_r, sum_r2, min_r, max_r, outside, sum_mult) = terms
+        self.tokens += tokens
         self.sequences += 1
-        self.sum_chi2_sequence += (math.exp(sequence_d) - 1.0) ** 2
+        self.sum_abs += sum_abs
+        self.max_abs = max(self.max_abs, max_abs)
+        self.sum_neg_d -= sum_d
+        self.sum_k3 += sum_k3
+        self.sum_chi2 += sum_chi2
+        self.sum_chi2_sequence += (math.exp(sum_d) - 1.0) ** 2
+        self.sum_r += sum_r
+        self.sum_r2 += sum_r2
+        self.min_r, self.max_r = min(self.min_r, min_r), max(self.max_r, max_r)
+        self.outside += outside
+        self.sum_mult += sum_mult
 
     def summary(self) -> dict[str, float | int | None]:
         n = self.tokens
@@ -77,6 +77,19 @@ class _Figures:
         }
 
 
+def sequence_terms(trainer: Sequence[float], sampler: Sequence[float]) -> tuple:
+    """One sequence's sums over its tokens, each per-token term as the module docstring writes it (summed in C)."""
+    d = list(map(sub, trainer, sampler))
+    if len(d) != len(trainer) or len(d) != len(sampler):
+        raise ValueError(f"{len(trainer)} trainer logprobs but {len(sampler)} sampler logprobs")
+    abs_d = list(map(abs, d))
+    r = list(map(math.exp, d))
+    r_minus_1 = list(map(sub, r, repeat(1.0, len(r))))
+    return (len(d), sum(abs_d), max(abs_d, default=0.0), sum(d), sum(map(sub, r_minus_1, d)),
+            sum(map(mul, r_minus_1, r_minus_1)), sum(r), sum(map(mul, r, r)), min(r, default=math.inf),
+            max(r, default=0.0), len(abs_d) - bisect_right(sorted(abs_d), BAND_LOG + 1e-12), sum(map(math.exp, abs_d)))
+
+
 @dataclass
 class MismatchPanel:
     """Accumulates (trainer, sampler) logprob pairs per training step; one add() is one sequence."""
@@ -87,10 +100,11 @@ class MismatchPanel:
     def add(self, step: int, trainer: Sequence[float], sampler: Sequence[float]) -> None:
         if not trainer:
             return
-        if not all(math.isfinite(x) for x in (*trainer, *sampler)):
+        if not (all(map(math.isfinite, trainer)) and all(map(math.isfinite, sampler))):
             raise ValueError(f"step {step}: a logprob is not finite")
-        self.steps[step].add(trainer, sampler)
-        self.overall.add(trainer, sampler)
+        terms = sequence_terms(trainer, sampler)
+        self.steps[step].add(terms)
+        self.overall.add(terms)
 
     def summary(self) -> dict:
         """{"overall": figures, "per_step": {step: figures}, "median_token_mult_prob_error": x}."""

@@ -1,34 +1,80 @@
 """Trace-fidelity audit over trajectories.jsonl and training.jsonl, computed on the host from files.
 
 Nothing the adapter claims is taken on trust: tokens, masks, logprobs, groups and revisions are all
-checked against each other.
+checked against each other. Episodes wait for their training rows in an SQLite file in a temporary
+folder, so the audit's memory does not grow with the number of episodes.
 """
 
 from __future__ import annotations
 
 import math
+import sqlite3
+import tempfile
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import compress
+from operator import sub
+from pathlib import Path
 
 from runner_contracts import GateResult, TrainingRow, Trajectory
 
 from .mismatch import MismatchPanel
 
 MAX_EXAMPLES = 3
+POLICY, OTHER = b"\x01", b"\x00"
 
 
-@dataclass
-class _Episode:
-    """Compact per-episode index (typed arrays: ~5 bytes a token instead of ~40 for Python lists)."""
+class _EpisodeStore:
+    """Each episode's tokens, provenance, policy tokens and logprobs (typed arrays as blobs) by episode id, and
+    every trajectory's group and reward, in an SQLite file that is deleted with the store."""
 
-    step: int
-    tokens: array
-    policy_tokens: array
-    policy_logprobs: array
-    is_policy: bytes
-    revision: str
+    def __init__(self) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="runner-audit-")
+        self.db = sqlite3.connect(Path(self._folder.name) / "episodes.sqlite", isolation_level=None)
+        self.db.executescript("""
+            PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF;
+            CREATE TABLE episodes (id TEXT PRIMARY KEY, step INTEGER, revision TEXT, group_id TEXT, reward REAL,
+                                   tokens BLOB, is_policy BLOB, policy_tokens BLOB, policy_logprobs BLOB,
+                                   trained INTEGER);
+            CREATE TABLE duplicates (group_id TEXT, reward REAL);
+            BEGIN;""")
+
+    def add(self, episode_id: str, step: int, revision: str, group_id: str, reward: float, tokens: array,
+            is_policy: bytes, policy_tokens: array, policy_logprobs: array) -> bool:
+        """Stores the episode; False when its id was stored already (the first is kept, the group counts both)."""
+        stored = self.db.execute("INSERT OR IGNORE INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                                 (episode_id, step, revision, group_id, reward, tokens.tobytes(), is_policy,
+                                  policy_tokens.tobytes(), policy_logprobs.tobytes()))
+        if stored.rowcount == 1:
+            return True
+        self.db.execute("INSERT INTO duplicates VALUES (?, ?)", (group_id, reward))
+        return False
+
+    def get(self, episode_id: str) -> tuple[bytes, bytes, bytes, bytes] | None:
+        """(tokens, is_policy, policy tokens, policy logprobs) as stored, or None."""
+        return self.db.execute("SELECT tokens, is_policy, policy_tokens, policy_logprobs FROM episodes WHERE id = ?",
+                               (episode_id,)).fetchone()
+
+    def mark_trained(self, episode_ids: list[str]) -> None:
+        self.db.executemany("UPDATE episodes SET trained = 1 WHERE id = ?", ((e,) for e in episode_ids))
+
+    def groups(self) -> Iterable[tuple[str, int, int]]:
+        """(group id, trajectories, distinct rewards) per group."""
+        return self.db.execute("SELECT group_id, COUNT(*), COUNT(DISTINCT reward) FROM (SELECT group_id, reward FROM "
+                               "episodes UNION ALL SELECT group_id, reward FROM duplicates) GROUP BY group_id")
+
+    def untrained(self) -> tuple[int, list[str]]:
+        count = self.db.execute("SELECT COUNT(*) FROM episodes WHERE trained = 0").fetchone()[0]
+        examples = [r[0] for r in self.db.execute("SELECT id FROM episodes WHERE trained = 0 ORDER BY id LIMIT 3")]
+        return count, examples
+
+    def trained(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM episodes WHERE trained = 1").fetchone()[0]
+
+    def revisions(self) -> Iterable[tuple[str, int, str]]:
+        return self.db.execute("SELECT id, step, revision FROM episodes ORDER BY rowid")
 
 
 @dataclass
@@ -38,17 +84,14 @@ class TraceAudit:
     vocab_size: int
     group_size: int
     tolerance: float
-    episodes: dict[str, _Episode] = field(default_factory=dict)
     problems: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     counts: Counter = field(default_factory=Counter)
-    group_sizes: Counter = field(default_factory=Counter)
-    group_rewards: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
-    step_rewards: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
-    trained_episodes: set[str] = field(default_factory=set)
+    step_rewards: dict[int, list[float]] = field(default_factory=dict)  # step -> [sum, count]
     max_logprob_gap: float = 0.0
     mismatch: MismatchPanel = field(default_factory=MismatchPanel)
     advantages_nonzero: int = 0
     rows: int = 0
+    _store: _EpisodeStore = field(default_factory=_EpisodeStore, repr=False)
 
     def _problem(self, check: str, message: str) -> None:
         self.counts[f"problem:{check}"] += 1
@@ -58,39 +101,39 @@ class TraceAudit:
     def add_trajectories(self, trajectories: Iterable[Trajectory]) -> None:
         for t in trajectories:
             self.counts["episodes"] += 1
-            if t.episode_id in self.episodes:
-                self._problem("unique-episodes", f"episode {t.episode_id} appears twice")
-            tokens, policy_tokens, policy_logprobs, is_policy = [], [], [], []
+            tokens, policy_tokens, policy_logprobs, is_policy = array("q"), array("q"), array("d"), bytearray()
             tool_segments = 0
             for index, segment in enumerate(t.segments):
-                bad = [i for i in segment.token_ids if i >= self.vocab_size]
-                if bad:
+                ids = segment.token_ids
+                if ids and max(ids) >= self.vocab_size:
+                    bad = [i for i in ids if i >= self.vocab_size]
                     self._problem("lengths-vocab", f"{t.episode_id} segment {index}: ids {bad[:3]} >= vocab "
                                                    f"{self.vocab_size}")
                 policy = segment.source == "policy"
                 if policy:
-                    if segment.logprobs is None or len(segment.logprobs) != len(segment.token_ids):
+                    if segment.logprobs is None or len(segment.logprobs) != len(ids):
                         got = None if segment.logprobs is None else len(segment.logprobs)
-                        self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {len(segment.token_ids)} "
+                        self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {len(ids)} "
                                                        f"tokens but {got} logprobs")
                     else:
-                        policy_logprobs += segment.logprobs
-                    policy_tokens += segment.token_ids
+                        policy_logprobs.extend(segment.logprobs)
+                    policy_tokens.extend(ids)
                 elif segment.logprobs is not None:
                     self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {segment.source} segment "
                                                    "carries logprobs")
                 tool_segments += segment.source in ("tool", "env")
-                tokens += segment.token_ids
-                is_policy += [policy] * len(segment.token_ids)
+                tokens.extend(ids)
+                is_policy += (POLICY if policy else OTHER) * len(ids)
             if not policy_tokens:
                 self._problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
             self.counts["policy_tokens"] += len(policy_tokens)
             self.counts["episodes_with_tool_calls"] += tool_segments > 0
-            self.group_sizes[t.group_id] += 1
-            self.group_rewards[t.group_id].append(t.reward)
-            self.step_rewards[t.step].append(t.reward)
-            self.episodes[t.episode_id] = _Episode(t.step, array("q", tokens), array("q", policy_tokens),
-                                                   array("d", policy_logprobs), bytes(is_policy), t.policy_revision)
+            step = self.step_rewards.setdefault(t.step, [0.0, 0])
+            step[0] += t.reward
+            step[1] += 1
+            if not self._store.add(t.episode_id, t.step, t.policy_revision, t.group_id, t.reward, tokens,
+                                   bytes(is_policy), policy_tokens, policy_logprobs):
+                self._problem("unique-episodes", f"episode {t.episode_id} appears twice")
 
     def add_rows(self, rows: Iterable[TrainingRow]) -> None:
         for row in rows:
@@ -103,42 +146,48 @@ class TraceAudit:
             if len(lengths) != 1:
                 self._problem("lengths-vocab", f"row {row.row_id}: input_ids/loss_mask/old_logprobs lengths differ")
                 continue
-            missing = [e for e in row.episode_ids if e not in self.episodes]
+            episodes = [self._store.get(e) for e in row.episode_ids]
+            missing = [e for e, found in zip(row.episode_ids, episodes, strict=True) if found is None]
             if missing:
                 self._problem("every-episode-trained", f"row {row.row_id} names unknown episode(s) {missing[:3]}")
                 continue
-            episodes = [self.episodes[e] for e in row.episode_ids]
-            self.trained_episodes.update(row.episode_ids)
-            tokens = array("q", row.input_ids[:0])
-            for episode in episodes:
-                tokens += episode.tokens
-            provenance = b"".join(episode.is_policy for episode in episodes)
-            if array("q", row.input_ids) != tokens:
+            self._store.mark_trained(row.episode_ids)
+            tokens = b"".join(episode[0] for episode in episodes)
+            provenance = b"".join(episode[1] for episode in episodes)
+            input_ids = array("q", row.input_ids)
+            if input_ids.tobytes() != tokens:
+                stored = array("q")
+                stored.frombytes(tokens)
                 self._problem("mask-provenance", f"row {row.row_id}: input_ids differ from the episode's segment "
                                                  f"tokens (first difference at "
-                                                 f"{_first_difference(row.input_ids, tokens.tolist())})")
+                                                 f"{_first_difference(row.input_ids, stored.tolist())})")
                 continue
-            wrong = [i for i, (mask, policy) in enumerate(zip(row.loss_mask, provenance, strict=True))
-                     if bool(mask) != policy]
-            if wrong:
-                self._problem("mask-provenance", f"row {row.row_id}: loss mask disagrees with provenance at "
-                                                 f"positions {wrong[:5]}")
-            trained = array("q", [token for token, mask in zip(row.input_ids, row.loss_mask, strict=True) if mask])
+            if _mask_bytes(row.loss_mask) != provenance:
+                wrong = [i for i, (mask, policy) in enumerate(zip(row.loss_mask, provenance, strict=True))
+                         if bool(mask) != bool(policy)]
+                if wrong:
+                    self._problem("mask-provenance", f"row {row.row_id}: loss mask disagrees with provenance at "
+                                                     f"positions {wrong[:5]}")
+            trained = array("q", compress(row.input_ids, row.loss_mask))
             sampled = array("q")
-            for episode in episodes:
-                sampled += episode.policy_tokens
+            sampled.frombytes(b"".join(episode[2] for episode in episodes))
             self.counts["trained_tokens"] += len(trained)
             if trained != sampled:
                 self._problem("trained-equals-sampled", f"row {row.row_id}: {len(trained)} trained tokens vs "
                                                         f"{len(sampled)} sampled policy tokens")
             if row.old_logprobs is not None:
-                sampled_lp = [lp for episode in episodes for lp in episode.policy_logprobs]
-                recomputed = [lp for lp, mask in zip(row.old_logprobs, row.loss_mask, strict=True) if mask]
-                for a, b in zip(recomputed, sampled_lp, strict=False):
-                    gap = abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
-                    self.max_logprob_gap = max(self.max_logprob_gap, gap)
+                sampled_lp = array("d")
+                sampled_lp.frombytes(b"".join(episode[3] for episode in episodes))
+                recomputed = list(compress(row.old_logprobs, row.loss_mask))
+                sampled_lp = sampled_lp.tolist()
+                # A finite sum means every value is finite: the common case, computed in C.
+                finite = math.isfinite(sum(recomputed)) and math.isfinite(sum(sampled_lp))
+                gaps = (map(abs, map(sub, recomputed, sampled_lp)) if finite else
+                        (abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+                         for a, b in zip(recomputed, sampled_lp, strict=False)))
+                self.max_logprob_gap = max(self.max_logprob_gap, max(gaps, default=0.0))
                 self.counts["logprob_pairs"] += min(len(recomputed), len(sampled_lp))
-                if len(recomputed) == len(sampled_lp) and all(map(math.isfinite, recomputed + sampled_lp)):
+                if len(recomputed) == len(sampled_lp) and finite:
                     self.mismatch.add(row.step, recomputed, sampled_lp)
 
     def _result(self, name: str, check: str, *, measured=None, threshold=None, detail_ok: str = "") -> GateResult:
@@ -149,13 +198,15 @@ class TraceAudit:
                           threshold=threshold if threshold is not None else 0, detail=detail or detail_ok)
 
     def gates(self) -> list[GateResult]:
-        incomplete = {g: n for g, n in self.group_sizes.items() if n != self.group_size}
-        for group, size in list(incomplete.items())[:MAX_EXAMPLES]:
-            self._problem("groups-complete", f"group {group} has {size} episodes, expected {self.group_size}")
-        untrained = set(self.episodes) - self.trained_episodes
+        groups = 0
+        for group, size, _ in self._store.groups():
+            groups += 1
+            if size != self.group_size:
+                self._problem("groups-complete", f"group {group} has {size} episodes, expected {self.group_size}")
+        untrained, examples = self._store.untrained()
         if untrained:
-            self._problem("every-episode-trained", f"{len(untrained)} episode(s) never reach a training row, "
-                                                   f"e.g. {sorted(untrained)[:3]}")
+            self._problem("every-episode-trained", f"{untrained} episode(s) never reach a training row, "
+                                                   f"e.g. {examples}")
         if self.counts["episodes"] == 0:
             self._problem("lengths-vocab", "no trajectories")
         gap_ok = self.max_logprob_gap <= self.tolerance and self.counts["logprob_pairs"] > 0
@@ -164,12 +215,12 @@ class TraceAudit:
             self._result("trace:lengths-vocab", "lengths-vocab",
                          detail_ok=f"{self.counts['episodes']} episodes, ids < {self.vocab_size}"),
             self._result("trace:groups-complete", "groups-complete",
-                         detail_ok=f"{len(self.group_sizes)} groups of {self.group_size}"),
+                         detail_ok=f"{groups} groups of {self.group_size}"),
             self._result("trace:mask-provenance", "mask-provenance", detail_ok="loss mask = policy provenance"),
             self._result("trace:trained-equals-sampled", "trained-equals-sampled",
                          detail_ok=f"{self.counts['trained_tokens']} trained = sampled policy tokens, in order"),
             self._result("trace:every-episode-trained", "every-episode-trained",
-                         detail_ok=f"{len(self.trained_episodes)} episodes in {self.rows} rows"),
+                         detail_ok=f"{self._store.trained()} episodes in {self.rows} rows"),
             GateResult(name="trace:logprob-agreement", passed=gap_ok, measured=self.max_logprob_gap,
                        threshold=self.tolerance,
                        detail=f"max |trainer - sampling| logprob over {self.counts['logprob_pairs']} tokens"),
@@ -177,14 +228,15 @@ class TraceAudit:
         ]
 
     def reward_per_step(self) -> dict[int, float]:
-        return {step: sum(r) / len(r) for step, r in sorted(self.step_rewards.items())}
+        return {step: total / count for step, (total, count) in sorted(self.step_rewards.items())}
 
     def degeneracy_gates(self, min_groups_with_variance: float, expects_tools: bool = True) -> list[GateResult]:
         """Rewards, advantages and tool use (for a family that has tools) must carry signal, or an update
         proves nothing."""
         episodes = self.counts["episodes"] or 1
-        groups = len(self.group_rewards) or 1
-        varied = sum(1 for rewards in self.group_rewards.values() if len(set(rewards)) > 1)
+        counted = [distinct for _, _, distinct in self._store.groups()]
+        groups = len(counted) or 1
+        varied = sum(1 for distinct in counted if distinct > 1)
         tool_share = self.counts["episodes_with_tool_calls"] / episodes
         tools = [GateResult(name="signal:tool-calls", passed=self.counts["episodes_with_tool_calls"] > 0,
                             measured=round(tool_share, 4), threshold="> 0",
@@ -193,7 +245,7 @@ class TraceAudit:
         return tools + [
             GateResult(name="signal:reward-variance", passed=varied / groups >= min_groups_with_variance and varied > 0,
                        measured=round(varied / groups, 4), threshold=min_groups_with_variance,
-                       detail=f"{varied}/{len(self.group_rewards)} groups have reward variance"),
+                       detail=f"{varied}/{len(counted)} groups have reward variance"),
             GateResult(name="signal:advantages", passed=self.advantages_nonzero > 0,
                        measured=self.advantages_nonzero, threshold="> 0",
                        detail=f"{self.advantages_nonzero}/{self.rows} rows with non-zero advantage"),
@@ -202,9 +254,9 @@ class TraceAudit:
     def revision_gate(self, initial_revision: str, checkpoint_revisions: dict[int, str]) -> GateResult:
         """Step s must be sampled by the weights of checkpoint s-1 (the initial policy for s = 1)."""
         wrong = []
-        for episode_id, episode in self.episodes.items():
-            expected = initial_revision if episode.step <= 1 else checkpoint_revisions.get(episode.step - 1)
-            if expected is None or episode.revision != expected:
+        for episode_id, step, revision in self._store.revisions():
+            expected = initial_revision if step <= 1 else checkpoint_revisions.get(step - 1)
+            if expected is None or revision != expected:
                 wrong.append(episode_id)
         return GateResult(name="trace:policy-revision", passed=not wrong, measured=len(wrong), threshold=0,
                           detail=(f"{len(wrong)} episode(s) name a revision that is not the checkpoint before their "
@@ -217,3 +269,11 @@ def _first_difference(a: list[int], b: list[int]) -> int:
         if x != y:
             return index
     return min(len(a), len(b))
+
+
+def _mask_bytes(mask: list[int]) -> bytes:
+    """The loss mask as one byte a position (0/1), as provenance is stored; b"" when it holds other values."""
+    try:
+        return bytes(mask)
+    except (ValueError, TypeError):
+        return b""
