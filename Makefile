@@ -64,7 +64,7 @@ test-families: system-deps $(TEST_STAMP)
 	RUNNER_TEST_ALL_FAMILIES=1 $(BIN)/python -m pytest -q -ra tests/test_tiny_families.py
 
 bench: system-deps $(BENCH_STAMP)
-	$(BIN)/python bench/bench_validate.py
+	$(BIN)/python bench/bench_validate.py --gigabytes 10  # the scale line needs ~10 GB free under $$TMPDIR or RUNNER_BENCH_TMP
 	$(BIN)/python bench/bench_overhead.py
 	$(BIN)/python bench/bench_environments.py
 	$(BIN)/python bench/bench_policy_server.py

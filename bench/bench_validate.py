@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -48,6 +49,25 @@ def generate(folder: Path, episodes: int) -> tuple[Path, Path]:
                                  input_ids=prompt + policy, loss_mask=[0] * 40 + [1] * 60,
                                  advantage=0.5 if reward else -0.5, old_logprobs=[0.0] * 40 + logprobs))
     return trajectories, training
+
+
+def generate_large(path: Path, gigabytes: float) -> int:
+    """A trajectories.jsonl of about `gigabytes` GB: one episode's line repeated with a fresh episode id."""
+    import msgspec
+    from runner_contracts import Segment, Trajectory
+
+    line = msgspec.json.encode(Trajectory(
+        run_id="run", stack="trl", stage="rollout", step=1, episode_id="@@", task_id="t", group_id="rollout/s1/g",
+        sample_index=0, policy_revision="a" * 64,
+        segments=[Segment(source="prompt", token_ids=list(range(1, 41)), text="p" * 120),
+                  Segment(source="policy", token_ids=list(range(100, 160)), logprobs=[-0.01 * (k % 7) for k in range(60)],
+                          text="c" * 150)], reward=1.0, outcome="success", finish_reason="stop", turns=1)) + b"\n"
+    head, tail = line.split(b"@@")
+    count = int(gigabytes * 1e9 / len(line))
+    with open(path, "wb", buffering=1 << 24) as handle:
+        for index in range(count):
+            handle.write(head + b"rollout/s1/e%d" % index + tail)
+    return count
 
 
 def measure(mode: str, trajectories: Path, training: Path) -> dict:
@@ -91,11 +111,15 @@ def measure(mode: str, trajectories: Path, training: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--episodes", type=int, default=40000)
+    parser.add_argument("--gigabytes", type=float, default=0.0,
+                        help="also validate a generated trajectories file this large (needs the disk space twice over)")
     parser.add_argument("--child", nargs=3, metavar=("MODE", "TRAJ", "TRAIN"))
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child[0], Path(args.child[1]), Path(args.child[2]))))
         return
+    if args.gigabytes:
+        scale(args.gigabytes)
     def fastest(mode: str, trajectories: Path, training: Path) -> dict:
         """The fastest of three fresh processes: the others lost the CPU to something else."""
         runs = [json.loads(subprocess.run([sys.executable, __file__, "--child", mode, str(trajectories), str(training)],
@@ -127,6 +151,20 @@ def main() -> None:
                f"audit at {args.episodes // 4} episodes", audit_quarter["peak_rss_mb"], goal="<= 1.1",
                note="flat in file size: episodes wait for their rows in SQLite"),
     ])
+
+
+
+def scale(gigabytes: float, budget_mb: float = 256.0) -> None:
+    """Validates a generated file of `gigabytes` GB in a fresh process; its peak memory against the budget."""
+    with tempfile.TemporaryDirectory(dir=os.environ.get("RUNNER_BENCH_TMP")) as tmp:
+        path = Path(tmp) / "trajectories.jsonl"
+        episodes = generate_large(path, gigabytes)
+        result = json.loads(subprocess.run([sys.executable, __file__, "--child", "validate", str(path), str(path)],
+                                           capture_output=True, text=True, check=True).stdout)
+    print(f"validate of {gigabytes:g} GB ({episodes} episodes): {gigabytes * 1e3 / result['seconds']:.0f} MB/s, "
+          f"peak {result['peak_rss_mb']:.0f} MB")
+    record("validate_scale", [figure(f"validate peak memory, {gigabytes:g} GB trajectories", result["peak_rss_mb"], "MB",
+                                     "budget", budget_mb, goal="<= 1.0", note=f"{episodes} episodes")])
 
 
 if __name__ == "__main__":

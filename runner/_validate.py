@@ -1,8 +1,11 @@
-"""`runner validate`: schema plus per-record consistency for contract files, streamed line by line."""
+"""`runner validate`: schema plus per-record consistency for contract files, streamed line by line, in
+memory that does not grow with the file."""
 
 from __future__ import annotations
 
 import math
+import sqlite3
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,12 +60,37 @@ def detect_type(path: Path) -> type[Record] | None:
     return RECORD_TYPES.get(name or "")
 
 
-def _check_trajectory(t: Trajectory, seen: set[tuple[str, str]]) -> list[tuple[str, str]]:
+class SeenIds:
+    """Episode keys met so far: a set, moved into an SQLite file in a temporary folder once it holds `spill_at`
+    keys, so a file of any size is checked for duplicates in bounded memory."""
+
+    def __init__(self, spill_at: int = 400_000):
+        self.spill_at = spill_at
+        self._keys: set[str] = set()
+        self._folder: tempfile.TemporaryDirectory | None = None
+        self._db: sqlite3.Connection | None = None
+
+    def add(self, key: str) -> bool:
+        """True when `key` is new."""
+        if self._db is not None:
+            return self._db.execute("INSERT OR IGNORE INTO seen VALUES (?)", (key,)).rowcount == 1
+        if key in self._keys:
+            return False
+        self._keys.add(key)
+        if len(self._keys) >= self.spill_at:
+            self._folder = tempfile.TemporaryDirectory(prefix="runner-validate-")
+            self._db = sqlite3.connect(Path(self._folder.name) / "seen.sqlite", isolation_level=None)
+            self._db.executescript("PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF; "
+                                   "CREATE TABLE seen (key TEXT PRIMARY KEY) WITHOUT ROWID; BEGIN;")
+            self._db.executemany("INSERT INTO seen VALUES (?)", ((k,) for k in self._keys))
+            self._keys = set()
+        return True
+
+
+def _check_trajectory(t: Trajectory, seen: SeenIds) -> list[tuple[str, str]]:
     problems = []
-    key = (t.stage, t.episode_id)
-    if key in seen:
+    if not seen.add(f"{t.stage}\0{t.episode_id}"):
         problems.append(("episode_id", f"duplicate episode id {t.episode_id!r} in stage {t.stage!r}"))
-    seen.add(key)
     if not math.isfinite(t.reward):
         problems.append(("reward", f"must be finite, got {t.reward}"))
     for name, value in t.reward_components.items():
@@ -130,7 +158,7 @@ def validate_file(path: Path) -> FileReport:
         except RecordError as error:
             add(error)
         return report
-    seen: set[tuple[str, str]] = set()
+    seen = SeenIds()
     start_line = 1
     while True:
         try:

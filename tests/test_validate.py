@@ -86,6 +86,15 @@ def test_rejects_duplicate_episode_ids(good_file, episodes):
     assert code == 1 and f"{good_file}:5: episode_id: duplicate episode id" in output.replace("\n", "")
 
 
+def test_duplicates_are_still_found_once_the_seen_ids_move_to_disk():
+    """validate keeps the episode ids it met in a set until there are many, then in SQLite (bounded memory)."""
+    from runner._validate import SeenIds
+
+    seen = SeenIds(spill_at=3)
+    assert [seen.add(key) for key in ("a", "b", "c", "d")] == [True] * 4  # moved to disk at the third
+    assert (seen.add("a"), seen.add("d"), seen.add("e"), seen.add("e")) == (False, False, True, False)
+
+
 def test_reports_every_bad_line(good_file):
     for line in (1, 3):
         corrupt(good_file, line, json_edit(lambda d: d.__setitem__("step", -1)))
