@@ -27,12 +27,13 @@ def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] 
         gates += audit.degeneracy_gates(arm.plan.gates.min_groups_with_variance,
                                         expects_tools=bool(get_family(arm.plan.task.family).tools))
     gates.append(audit.revision_gate(arm.plan.policy.sha256 or "", revisions or {}))
+    groups, varied = audit.groups_with_variance()
     metrics = {
         "episodes": audit.counts["episodes"], "policy_tokens": audit.counts["policy_tokens"],
         "trained_tokens": audit.counts["trained_tokens"], "max_logprob_gap": audit.max_logprob_gap,
         "episodes_with_tool_calls": audit.counts["episodes_with_tool_calls"],
-        "groups_with_variance": sum(1 for r in audit.group_rewards.values() if len(set(r)) > 1),
-        "groups": len(audit.group_rewards),
+        "groups_with_variance": varied,
+        "groups": groups,
         "reward_per_step": audit.reward_per_step(),
         "mismatch": audit.mismatch.summary(),
     }

@@ -230,13 +230,17 @@ class TraceAudit:
     def reward_per_step(self) -> dict[int, float]:
         return {step: total / count for step, (total, count) in sorted(self.step_rewards.items())}
 
+    def groups_with_variance(self) -> tuple[int, int]:
+        """(groups, groups whose rewards are not all equal)."""
+        distinct = [rewards for _, _, rewards in self._store.groups()]
+        return len(distinct), sum(1 for rewards in distinct if rewards > 1)
+
     def degeneracy_gates(self, min_groups_with_variance: float, expects_tools: bool = True) -> list[GateResult]:
         """Rewards, advantages and tool use (for a family that has tools) must carry signal, or an update
         proves nothing."""
         episodes = self.counts["episodes"] or 1
-        counted = [distinct for _, _, distinct in self._store.groups()]
-        groups = len(counted) or 1
-        varied = sum(1 for distinct in counted if distinct > 1)
+        counted, varied = self.groups_with_variance()
+        groups = counted or 1
         tool_share = self.counts["episodes_with_tool_calls"] / episodes
         tools = [GateResult(name="signal:tool-calls", passed=self.counts["episodes_with_tool_calls"] > 0,
                             measured=round(tool_share, 4), threshold="> 0",
@@ -245,7 +249,7 @@ class TraceAudit:
         return tools + [
             GateResult(name="signal:reward-variance", passed=varied / groups >= min_groups_with_variance and varied > 0,
                        measured=round(varied / groups, 4), threshold=min_groups_with_variance,
-                       detail=f"{varied}/{len(counted)} groups have reward variance"),
+                       detail=f"{varied}/{counted} groups have reward variance"),
             GateResult(name="signal:advantages", passed=self.advantages_nonzero > 0,
                        measured=self.advantages_nonzero, threshold="> 0",
                        detail=f"{self.advantages_nonzero}/{self.rows} rows with non-zero advantage"),
