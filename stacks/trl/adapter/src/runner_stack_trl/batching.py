@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,7 +177,7 @@ class BatchingSampler:
 
     def __init__(self, model, eos_ids: set[int], *, max_rows: int = MAX_ROWS):
         self.model, self.eos_ids, self.max_rows = model, eos_ids, max_rows
-        self.stats = {"calls": 0, "decode_steps": 0, "rows_decoded": 0, "max_rows": 0}
+        self.stats = {"calls": 0, "decode_steps": 0, "rows_decoded": 0, "max_rows": 0, "model_s": 0.0}
         self._rowwise = _Rowwise()
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # one at a time: the model is shared
@@ -192,6 +193,7 @@ class BatchingSampler:
     def evidence(self) -> dict[str, Any]:
         steps = self.stats["decode_steps"]
         return {"mode": self.mode, **({"reason": self.reason} if self.reason else {}), **self.stats,
+                "model_s": round(self.stats["model_s"], 3),
                 "mean_rows": round(self.stats["rows_decoded"] / steps, 2) if steps else 0.0}
 
     def sample(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
@@ -208,7 +210,9 @@ class BatchingSampler:
             call.done.wait()
         else:
             with self._lock, self._inference():
+                started = time.monotonic()
                 self._alone(call)
+                self.stats["model_s"] += time.monotonic() - started
         if call.error is not None:
             raise call.error
         return call.ids, call.logprobs, call.finish or "length"
@@ -257,6 +261,7 @@ class BatchingSampler:
                     if call is not None:
                         call.end(None, RuntimeError("the policy server closed during the call"))
                 return
+            started = time.monotonic()
             with self._inference():
                 while waiting and len(active) < self.max_rows:
                     call = waiting.pop(0)
@@ -271,6 +276,7 @@ class BatchingSampler:
                         for call in active:
                             call.end(None, error)
                         active, cache = [], None
+            self.stats["model_s"] += time.monotonic() - started
 
     def _admit(self, call: _Call, active: list[_Call], cache):
         """Prefills `call` alone, samples its first token, and joins its cache to the batch's."""

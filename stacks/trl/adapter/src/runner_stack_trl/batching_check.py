@@ -1,6 +1,7 @@
-"""Batch invariance, checked on a checkpoint: concurrent two-turn calc-tool episodes through the policy server over real
-HTTP, sampled one call at a time and then batched; prints one JSON line with both runs' calls compared bit
-for bit, their wall time and the sampler's evidence.
+"""Batch invariance, checked on a checkpoint: concurrent two-turn calc-tool episodes through the policy server
+over real HTTP (their clients in a process of their own, as an environment's are), sampled one call at a
+time and then batched; prints one JSON line with both runs' calls compared bit for bit, their wall time
+and the sampler's evidence.
 
     python -m runner_stack_trl.batching_check POLICY_DIR [--attention sdpa] [--episodes 48]
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -56,17 +59,26 @@ def episode(tokenizer, base_url: str, i: int) -> None:
              f"e{i}")
 
 
-def run(model, tokenizer, episodes: int, max_rows: int, folder: str) -> tuple[dict, dict, float]:
-    """(calls by id, the sampler's evidence, wall seconds) of `episodes` concurrent episodes."""
-    calls_path = Path(folder) / f"calls-{max_rows}.jsonl"
-    server = PolicyServer(model, tokenizer, sampling=SAMPLING, calls_path=calls_path, revision="r",
-                          max_rows=max_rows).start()
-    threads = [threading.Thread(target=episode, args=(tokenizer, server.base_url, i)) for i in range(episodes)]
-    started = time.monotonic()
+def drive(base_url: str, tokenizer_dir: str, episodes: int) -> None:
+    """The episodes' clients, each on its own thread (run in a process of their own, as an environment's are)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    threads = [threading.Thread(target=episode, args=(tokenizer, base_url, i)) for i in range(episodes)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def run(model, tokenizer, policy_dir: str, episodes: int, max_rows: int, folder: str) -> tuple[dict, dict, float]:
+    """(calls by id, the sampler's evidence, wall seconds) of `episodes` concurrent episodes."""
+    calls_path = Path(folder) / f"calls-{max_rows}.jsonl"
+    server = PolicyServer(model, tokenizer, sampling=SAMPLING, calls_path=calls_path, revision="r",
+                          max_rows=max_rows).start()
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "runner_stack_trl.batching_check", policy_dir, "--drive", server.base_url,
+                    "--episodes", str(episodes)], check=True)
     seconds = time.monotonic() - started
     server.close()
     calls = [json.loads(line) for line in calls_path.read_text().splitlines()]
@@ -80,12 +92,15 @@ def main() -> None:
     parser.add_argument("policy_dir")
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--episodes", type=int, default=48)
+    parser.add_argument("--drive", metavar="BASE_URL", help="only run the episodes' clients against this server")
     args = parser.parse_args()
+    if args.drive:
+        return drive(args.drive, args.policy_dir, args.episodes)
     tokenizer = AutoTokenizer.from_pretrained(args.policy_dir)
     model = AutoModelForCausalLM.from_pretrained(args.policy_dir, attn_implementation=args.attention)
     with tempfile.TemporaryDirectory() as folder:
-        alone, alone_evidence, alone_s = run(model, tokenizer, args.episodes, 1, folder)
-        batched, batched_evidence, batched_s = run(model, tokenizer, args.episodes, 64, folder)
+        alone, alone_evidence, alone_s = run(model, tokenizer, args.policy_dir, args.episodes, 1, folder)
+        batched, batched_evidence, batched_s = run(model, tokenizer, args.policy_dir, args.episodes, 64, folder)
     keys = ("prompt_ids", "completion_ids", "logprobs", "finish_reason")
     print(json.dumps({
         "calls": len(alone), "same_calls": sorted(alone) == sorted(batched),
