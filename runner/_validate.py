@@ -4,12 +4,11 @@ memory that does not grow with the file."""
 from __future__ import annotations
 
 import math
-import sqlite3
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+from qualification.gates import ScratchDatabase
 
 from runner_contracts import (
     RECORD_TYPES,
@@ -67,22 +66,18 @@ class SeenIds:
     def __init__(self, spill_at: int = 400_000):
         self.spill_at = spill_at
         self._keys: set[str] = set()
-        self._folder: tempfile.TemporaryDirectory | None = None
-        self._db: sqlite3.Connection | None = None
+        self._scratch: ScratchDatabase | None = None
 
     def add(self, key: str) -> bool:
         """True when `key` is new."""
-        if self._db is not None:
-            return self._db.execute("INSERT OR IGNORE INTO seen VALUES (?)", (key,)).rowcount == 1
+        if self._scratch is not None:
+            return self._scratch.db.execute("INSERT OR IGNORE INTO seen VALUES (?)", (key,)).rowcount == 1
         if key in self._keys:
             return False
         self._keys.add(key)
         if len(self._keys) >= self.spill_at:
-            self._folder = tempfile.TemporaryDirectory(prefix="runner-validate-")
-            self._db = sqlite3.connect(Path(self._folder.name) / "seen.sqlite", isolation_level=None)
-            self._db.executescript("PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF; "
-                                   "CREATE TABLE seen (key TEXT PRIMARY KEY) WITHOUT ROWID; BEGIN;")
-            self._db.executemany("INSERT INTO seen VALUES (?)", ((k,) for k in self._keys))
+            self._scratch = ScratchDatabase("validate", "CREATE TABLE seen (key TEXT PRIMARY KEY) WITHOUT ROWID;")
+            self._scratch.db.executemany("INSERT INTO seen VALUES (?)", ((k,) for k in self._keys))
             self._keys = set()
         return True
 

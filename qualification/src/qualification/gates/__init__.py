@@ -13,9 +13,10 @@ from .stages import (
     update_gates,
 )
 from .sft import sft_gates
-from .trace import TraceAudit
+from .trace import ScratchDatabase, TraceAudit
 
 __all__ = [
+    "ScratchDatabase",
     "TraceAudit", "call_gates", "checkpoint_revisions", "distill_gates", "evaluate_gates", "latest_complete_checkpoint",
     "lock_gate", "pooled_evaluation", "resume_gates", "service_gates", "sft_gates", "update_gates",
 ]

@@ -26,20 +26,27 @@ MAX_EXAMPLES = 3
 POLICY, OTHER = b"\x01", b"\x00"
 
 
+class ScratchDatabase:
+    """An SQLite file in a temporary folder that is deleted with this object: no journal, no fsync, one
+    transaction left open (nothing is kept after the process); `db` is the connection, `schema` run on it."""
+
+    def __init__(self, name: str, schema: str):
+        self._folder = tempfile.TemporaryDirectory(prefix=f"runner-{name}-")
+        self.db = sqlite3.connect(Path(self._folder.name) / f"{name}.sqlite", isolation_level=None)
+        self.db.executescript(f"PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF; {schema} BEGIN;")
+
+
 class _EpisodeStore:
     """Each episode's tokens, provenance, policy tokens and logprobs (typed arrays as blobs) by episode id, and
     every trajectory's group and reward, in an SQLite file that is deleted with the store."""
 
     def __init__(self) -> None:
-        self._folder = tempfile.TemporaryDirectory(prefix="runner-audit-")
-        self.db = sqlite3.connect(Path(self._folder.name) / "episodes.sqlite", isolation_level=None)
-        self.db.executescript("""
-            PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF;
+        self._scratch = ScratchDatabase("audit", """
             CREATE TABLE episodes (id TEXT PRIMARY KEY, step INTEGER, revision TEXT, group_id TEXT, reward REAL,
                                    tokens BLOB, is_policy BLOB, policy_tokens BLOB, policy_logprobs BLOB,
                                    trained INTEGER);
-            CREATE TABLE duplicates (group_id TEXT, reward REAL);
-            BEGIN;""")
+            CREATE TABLE duplicates (group_id TEXT, reward REAL);""")
+        self.db = self._scratch.db
 
     def add(self, episode_id: str, step: int, revision: str, group_id: str, reward: float, tokens: array,
             is_policy: bytes, policy_tokens: array, policy_logprobs: array) -> bool:

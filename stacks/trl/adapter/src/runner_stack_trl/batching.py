@@ -100,7 +100,12 @@ class _Rowwise:
     name = "runner_rowwise"
     _registered = False
 
-    def __init__(self) -> None:
+    def __init__(self, model) -> None:
+        import torch
+
+        self.model = model
+        # Each linear's row-wise forward, made once: a decode step only swaps them in and out.
+        self.forwards = [(m, _rowwise_linear(m)) for m in model.modules() if isinstance(m, torch.nn.Linear)]
         self.thread: int | None = None
         self.lengths: list[int] = []
         self.attention_calls = 0
@@ -115,13 +120,11 @@ class _Rowwise:
             _Rowwise._registered = True
 
     @contextlib.contextmanager
-    def active(self, model, lengths: list[int]):
-        import torch
-
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    def active(self, lengths: list[int]):
+        model = self.model
         implementation = model.config._attn_implementation
-        for module in linears:
-            module.forward = _rowwise_linear(module)
+        for module, forward in self.forwards:
+            module.forward = forward
         model.config._attn_implementation = self.name
         self.thread, self.lengths, self.attention_calls = threading.get_ident(), lengths, 0
         _ACTIVE.append(self)
@@ -131,7 +134,7 @@ class _Rowwise:
             _ACTIVE.remove(self)
             self.thread = None
             model.config._attn_implementation = implementation
-            for module in linears:
+            for module, _ in self.forwards:
                 del module.forward
 
 
@@ -178,7 +181,7 @@ class BatchingSampler:
     def __init__(self, model, eos_ids: set[int], *, max_rows: int = MAX_ROWS):
         self.model, self.eos_ids, self.max_rows = model, eos_ids, max_rows
         self.stats = {"calls": 0, "decode_steps": 0, "rows_decoded": 0, "max_rows": 0, "model_s": 0.0}
-        self._rowwise = _Rowwise()
+        self._rowwise = _Rowwise(model)
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # one at a time: the model is shared
         self._stats_lock = threading.Lock()
@@ -298,7 +301,7 @@ class BatchingSampler:
 
         device = self.model.device
         positions = torch.tensor([[call.length] for call in calls], device=device)
-        with self._rowwise.active(self.model, [call.length + 1 for call in calls]):
+        with self._rowwise.active([call.length + 1 for call in calls]):
             output = self.model(input_ids=torch.tensor([[t] for t in tokens], device=device), position_ids=positions,
                                 past_key_values=cache, use_cache=True)
             if self._rowwise.attention_calls != self.model.config.num_hidden_layers:
