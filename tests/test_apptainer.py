@@ -86,7 +86,7 @@ def test_an_environment_arm_runs_from_its_sif_and_the_trainers(sif_env, local_co
     stack's SIF; the SIF's lock label is the stack's lock; the same tokens as the local engine's arm."""
     run_dir = tmp_path / stack
     result = runner("qualify", "--stack", stack, "--plan", str(CALC_PLAN), "--engine", "apptainer", "--stages",
-                    "probe,service,rollout", "--run-dir", str(run_dir), "--json", env=sif_env)
+                    "probe,rollout", "--run-dir", str(run_dir), "--json", env=sif_env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     probe = stage_evidence(run_dir, "probe")
     environment = probe["environment"]

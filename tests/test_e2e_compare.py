@@ -56,6 +56,10 @@ def test_environment_arms_capture_every_call_and_lose_no_episode(comparison):
         assert fidelity["unattributed_calls"] == 0
         assert crash["killed_pids"] and crash["lost"] == 0 and crash["returned"] == crash["requested"]
         assert crash["environment_pids_after"] and not set(crash["environment_pids_after"]) & set(crash["killed_pids"])
+        # The policy server held the later episodes' calls until the host had killed the environment, so the
+        # crash landed mid-batch (batched sampling can finish a batch before a poll sees it half done).
+        assert crash["call_hold"]["released"] == "by the host" and crash["call_hold"]["held_calls"] > 0
+        assert crash["retried_episodes"] + crash["failed_episodes"] > 0
         assert arm["isolation"]["foreign_packages_absent"] is True
     lightning = next(arm for arm in data["arms"] if arm["stack"] == "lightning-verl")
     assert lightning["trace_fidelity"]["token_source"] == GATEWAY_CAPTURE

@@ -16,6 +16,7 @@ from .arm import Arm, StageOutput, now, read_any, run_adapter
 from .audits import audit_trace, sampling_audit, throughput
 
 FAULT_FILE = "fault.json"  # the host's own record of the crash it caused
+RELEASE_FILE = "fault-release"  # created once the crash is done: the policy server's held calls go on
 
 
 def stage_rollout(arm: Arm) -> StageOutput:
@@ -38,14 +39,19 @@ class EnvironmentCrash:
     """The host's fault: once `after` episodes have called the policy server (the trainer's call log, read
     as it grows), it reads which processes the rollout service names as its environment (its
     environment.json) and SIGKILLs them by pid, through the engine, which kills only processes of that
-    service. Polled as the job's kill_when."""
+    service. Polled as the job's kill_when. The trainer's policy server holds the calls of every later episode
+    until the crash is done (`hold_options`), so the crash lands mid-batch however fast the batch samples."""
 
     def __init__(self, arm: Arm, job_dir: Path, after: int):
         self.arm, self.after = arm, after
+        self.release = job_dir / RELEASE_FILE
         self.calls = job_dir / ("calls.jsonl" + PARTIAL_SUFFIX)
         self.episodes: set[str] = set()
         self.offset = 0
         self.record: dict[str, Any] | None = None
+
+    def hold_options(self) -> dict[str, Any]:
+        return {"hold_calls": {"after_episodes": self.after, "release_file": str(self.release.resolve())}}
 
     def poll(self) -> bool:
         """Never asks the engine to kill the job."""
@@ -77,6 +83,7 @@ class EnvironmentCrash:
         except Exception as error:  # noqa: BLE001 - a fault that could not be injected is evidence
             record.update(killed=[], error=f"{type(error).__name__}: {error}")
         self.record = record
+        self.release.touch()
 
 
 def environment_pids(arm: Arm) -> list[int]:
@@ -94,7 +101,7 @@ def _injected_crash(arm: Arm, out: Path) -> tuple[list[GateResult], dict[str, An
     arm.on_event("rollout", "injected environment crash")
     arm.rollout_service_url()  # started before the job, so the host holds the service it will crash
     crash = EnvironmentCrash(arm, out, after=requested // 2)
-    run_adapter(arm, "rollout", out, kill_when=crash.poll)
+    _, result = run_adapter(arm, "rollout", out, kill_when=crash.poll, options=crash.hold_options())
     fault = crash.record or {"killed": [], "error": f"the job ended before {requested // 2} episodes called the "
                                                      f"policy server"}
     try:
@@ -109,7 +116,8 @@ def _injected_crash(arm: Arm, out: Path) -> tuple[list[GateResult], dict[str, An
     killed, after = fault["killed"], fault["environment_pids_after"]
     figures = {"requested": requested, "returned": len(returned), "lost": requested - len(returned),
                "killed_pids": killed, "environment_pids_after": after,
-               "retried_episodes": accounting["retried_episodes"], "failed_episodes": accounting["failed_episodes"]}
+               "retried_episodes": accounting["retried_episodes"], "failed_episodes": accounting["failed_episodes"],
+               "call_hold": result.metrics.get("call_hold") if result else None}
     reported = fault.get("environment_pids", [])
     foreign = sorted(set(reported) - set(killed))
     hit = figures["retried_episodes"] + figures["failed_episodes"]

@@ -30,7 +30,7 @@ from runner_kit.continuity import chain_calls
 from runner_kit.http import post_json
 
 from .grpo import Recorder, get_item_id, task_rows, training_metrics
-from .policy_server import PolicyServer
+from .policy_server import CallHold, PolicyServer
 
 CONCURRENCY = 32  # episodes in flight: the policy server batches their calls (batching.py)
 
@@ -151,8 +151,10 @@ def build_bridge(request: StageRequest, policy_dir: Path, output_dir: Path, *, s
     deterministic_torch(plan.sampling.seed)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     model = AutoModelForCausalLM.from_pretrained(policy_dir)
+    hold = request.options.get("hold_calls")  # the host's injected crash (runner/_stages/rollout.py)
     server = PolicyServer(model, tokenizer, sampling=plan.sampling, calls_path=Path(request.out_dir) / "calls.jsonl",
-                          revision=recorder.initial_revision if recorder else "", tool_format=plan.policy.tool_format)
+                          revision=recorder.initial_revision if recorder else "", tool_format=plan.policy.tool_format,
+                          hold=CallHold(int(hold["after_episodes"]), Path(hold["release_file"])) if hold else None)
     bridge = Bridge(request, server, recorder)
     split = plan.task.train
     reward = EnvironmentReward()
@@ -195,8 +197,10 @@ def rollout(request: StageRequest) -> StageResult:
     finally:
         recorder.close(ok)
         bridge.server.close(ok)
+    hold = bridge.server.hold
     return StageResult(stage=request.stage, files=_files(), metrics={
-        "steps": recorder.steps, "batches": bridge.batches, "policy_batching": bridge.server.sampler.evidence()})
+        "steps": recorder.steps, "batches": bridge.batches, "policy_batching": bridge.server.sampler.evidence(),
+        **({"call_hold": hold.evidence()} if hold else {})})
 
 
 def train(request: StageRequest) -> StageResult:

@@ -42,6 +42,39 @@ from runner_kit.policy import (
 from .batching import MAX_ROWS, BatchingSampler
 
 
+class CallHold:
+    """The host's fault injection made independent of sampling speed: once `after_episodes` episodes have
+    called, every call of any other episode waits until the host creates `release_file` (it does so right after
+    it has SIGKILLed the environment), so those episodes meet the dead environment however fast the batch runs.
+    Waits at most `timeout_s`, then lets the calls through and says so in the evidence."""
+
+    def __init__(self, after_episodes: int, release_file: Path, timeout_s: float = 120.0):
+        self.after, self.release_file, self.timeout_s = after_episodes, release_file, timeout_s
+        self._admitted: set[str] = set()
+        self._lock = threading.Lock()
+        self.held_calls = 0
+        self.released: str | None = None  # "by the host" or "timeout"
+        self.waited_s = 0.0
+
+    def wait(self, episode: str) -> None:
+        with self._lock:
+            if self.released or episode in self._admitted or len(self._admitted) < self.after:
+                self._admitted.add(episode)
+                return
+            self.held_calls += 1
+        started = time.monotonic()
+        while not self.release_file.exists() and time.monotonic() - started < self.timeout_s:
+            time.sleep(0.02)
+        with self._lock:
+            if self.released is None:
+                self.released = "by the host" if self.release_file.exists() else "timeout"
+                self.waited_s = round(time.monotonic() - started, 3)
+
+    def evidence(self) -> dict[str, Any]:
+        return {"after_episodes": self.after, "held_calls": self.held_calls, "released": self.released,
+                "waited_s": self.waited_s}
+
+
 def call_seed(base_seed: int, episode_id: str, index: int) -> int:
     digest = hashlib.sha256(f"{base_seed}\0{episode_id}\0{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -61,12 +94,13 @@ class PolicyServer:
     model_name = "policy"
 
     def __init__(self, model, tokenizer, *, sampling: SamplingSpec, calls_path: Path, revision: str,
-                 tool_format: str = "hermes", max_rows: int = MAX_ROWS):
+                 tool_format: str = "hermes", max_rows: int = MAX_ROWS, hold: CallHold | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.tool_format = tool_format  # how the checkpoint writes tool calls (plan policy.tool_format)
         self.sampling = sampling
         self.revision = revision
         self.greedy = False  # evaluation decodes greedily whatever the request asks, as the trl arm does
+        self.hold = hold
         self.sampler = BatchingSampler(model, {tokenizer.eos_token_id} | ({tokenizer.pad_token_id} - {None}),
                                        max_rows=max_rows)
         self._writer = JsonlWriter(calls_path)
@@ -103,6 +137,8 @@ class PolicyServer:
     def _sample_logged(self, wire_id: str, channel: str, endpoint: str, prompt_ids: list[int],
                        body: dict[str, Any], index: int) -> PolicyCall:
         episode, attempt = split_attempt(wire_id)
+        if self.hold is not None:
+            self.hold.wait(episode)
         started = time.monotonic()
         revision = self.revision
         ids, logprobs, finish = self.sampler.sample(
