@@ -82,6 +82,7 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
                        "rollout_stage_rollouts_per_s": rollout.get("rollouts_per_s")},
         "final_weights_sha256": _final_weights(evidence),
         "evaluation": data.get("evaluation") or {},
+        "harnesses": data.get("harnesses") or [],
         "seeds": data.get("seeds") or [],
         "release": data.get("release"),
     }
@@ -141,6 +142,8 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
     ]
     if any((a["evaluation"].get("heldout") or {}).get("sampled") for a in arms):
         rows.append(("held-out (sampled)", [sampled_text(a["evaluation"].get("heldout") or {}) for a in arms]))
+    for harness in dict.fromkeys(h["stack"] for a in arms for h in a.get("harnesses") or []):
+        rows.append((f"{harness} harness (greedy)", [harness_text(a, harness) for a in arms]))
     if any(len(a.get("seeds") or []) > 1 for a in arms):
         rows.append(("seeds (trained held-out per seed)", [", ".join(
             f"{row['seed']}: {row['evaluation']['heldout']['trained']}" if "heldout" in row["evaluation"]
@@ -149,6 +152,15 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         rows.append(("release", [(a["release"]["verdict"] + "".join(f"; {c}" for c in a["release"]["failed"]))
                                  if a.get("release") else "–" for a in arms]))
     return rows
+
+
+def harness_text(arm: dict[str, Any], stack: str) -> str:
+    row = next((h for h in arm.get("harnesses") or [] if h["stack"] == stack), None)
+    if row is None or row["base"]["value"] is None or row["trained"]["value"] is None:
+        return "–"
+    paired = row.get("paired")
+    return (f"{row['task']} {row['metric']}: {row['base']['value']:.3f} → {row['trained']['value']:.3f}"
+            + (f": {paired['verdict']}" if paired else ""))
 
 
 def _mismatch(panel: dict[str, Any] | None) -> str:

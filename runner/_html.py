@@ -250,6 +250,20 @@ def render(plan: Plan, arms: list[tuple[str, list[Evidence], dict[str, Any]]],
                         "means the data cannot tell them apart at this confidence, not that nothing changed; the last "
                         "column is the smallest difference these items could have shown (exact McNemar, normal "
                         "approximation of its power).</p>")
+    harness_rows = "".join(
+        f"<tr><td>{_e(arm)}</td><td>{_e(row['stack'])} ({_e(row.get('upstream'))})</td><td>{_e(row.get('task'))}</td>"
+        f"<td>{_e(row.get('metric'))}</td>"
+        + "".join(f"<td class='num'>{_short(row[label]['value'])} ± {_short(row[label].get('stderr'))} "
+                  f"(n={row[label]['samples']})</td>" for label in ("base", "trained"))
+        + (f"<td class='num'>{row['paired']['p_value']:.3g}</td><td><b>{_e(row['paired']['verdict'])}</b></td>"
+           if row.get("paired") else "<td>–</td><td>–</td>") + "</tr>"
+        for arm, _, data in arms for row in data.get("harnesses") or [])
+    if harness_rows:
+        sections.append("<h2>Evaluation harnesses</h2><table><tr><th>arm</th><th>harness</th><th>task</th>"
+                        "<th>metric</th><th>base</th><th>trained</th><th>p (exact McNemar)</th><th>verdict</th></tr>"
+                        f"{harness_rows}</table><p class='note'>Each checkpoint served greedily by the trainer's "
+                        "policy server; the harness ran in its own environment, every call it made tied to a sample "
+                        "it scored. Logs: stages/evaluate/harnesses/.</p>")
     sections.append("<h2>Mean reward per training step</h2>" + line_chart(
         {arm: {int(k): float(v) for k, v in (data.get("reward_per_step") or {}).items()} for arm, _, data in arms},
         y_label="mean reward"))

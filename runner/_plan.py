@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 from runner_contracts import Plan
 
 from . import _task_packages as task_packages
+from ._engines.jobs import tree_hash
 from ._errors import UserError
 from ._files import convert_yaml, parse_yaml, yaml_line
 from ._plan_checks import plan_problems
@@ -23,10 +26,21 @@ def load_plan(path: Path, log: Callable[[str], None] = lambda message: None) -> 
     policy = data.get("policy")
     if isinstance(policy, dict) and isinstance(policy.get("path"), str):  # relative to the plan file
         policy["path"] = str((path.parent / Path(policy["path"]).expanduser()).resolve())
+    for harness in data.get("harnesses") or []:  # a harness's task file, relative to the plan file
+        if isinstance(harness, dict) and isinstance(harness.get("task"), str):
+            harness["task"] = str((path.parent / Path(harness["task"]).expanduser()).resolve())
     plan = convert_yaml(data, root, Plan, path, "(plan)")
     plan = task_packages.resolve(plan, path)
+    plan = _hash_harness_tasks(plan)
     task_packages.activate(plan, log)
     if problem := next(plan_problems(plan), None):
         field, reason = problem
         raise UserError(f"{path}:{yaml_line(root, field)}: field {field}: {reason}")
     return plan
+
+
+def _hash_harness_tasks(plan: Plan) -> Plan:
+    """Each harness task's folder hashed into the plan (a task file that is missing is the checks' to name)."""
+    harnesses = [msgspec.structs.replace(h, sha256=tree_hash([Path(h.task).parent])) if Path(h.task).is_file() else h
+                 for h in plan.harnesses]
+    return msgspec.structs.replace(plan, harnesses=harnesses) if harnesses else plan

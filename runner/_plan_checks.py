@@ -23,6 +23,7 @@ def plan_problems(plan: Plan) -> Iterator[tuple[str, str]]:
     yield from _native_problems(plan)
     yield from _policy_problems(plan.policy, "policy", frozen=plan.plan_id is not None)
     yield from _distill_problems(plan)
+    yield from _harness_problems(plan)
     gates, budget = plan.gates, plan.budget
     if gates.resume_kill_after_step >= gates.resume_steps:
         yield ("gates.resume_kill_after_step", f"{gates.resume_kill_after_step} is not inside the resume run of "
@@ -106,8 +107,13 @@ def _native_problems(plan: Plan) -> Iterator[tuple[str, str]]:
 
 
 def arm_problem(plan: Plan, stacks: list[str]) -> str | None:
-    """Why a plan cannot run these arms: a native asset runs only in its own stack, and distillation only in
-    stacks that can sample a teacher."""
+    """Why a plan cannot run these arms: a harness stack is no arm, a native asset runs only in its own stack,
+    and distillation only in stacks that can sample a teacher."""
+    harnesses = [name for name in stacks if get_stack(name.split("@", 1)[0]).kind == "harness"]
+    if harnesses:
+        return (f"{', '.join(harnesses)}: an evaluation harness, not an arm; name it in the plan's harnesses "
+                f"(harnesses: [{{stack: {harnesses[0]}, task: path/to/task.py}}]) and qualify a trainer or "
+                "environment stack")
     native = plan.task.native
     others = [name for name in stacks if native is not None and name.split("@", 1)[0] != native.stack]
     if others:
@@ -158,3 +164,16 @@ def _policy_problems(spec: PolicySpec, where: str, *, frozen: bool) -> Iterator[
             get_family(name)
         except FamilyError as error:
             yield f"{where}.tiny.families[{index}]", str(error)
+
+
+def _harness_problems(plan: Plan) -> Iterator[tuple[str, str]]:
+    stacks = all_stacks()
+    harnesses = sorted(name for name, manifest in stacks.items() if manifest.kind == "harness")
+    for index, harness in enumerate(plan.harnesses):
+        where = f"harnesses[{index}]"
+        manifest = stacks.get(harness.stack)
+        if manifest is None or manifest.kind != "harness":
+            yield (f"{where}.stack", f"{harness.stack!r} is not an evaluation harness stack; harness stacks: "
+                   f"{', '.join(harnesses) or '(none)'}")
+        elif not Path(harness.task).is_file():
+            yield f"{where}.task", f"{harness.task} does not exist (a task file, relative to the plan file)"

@@ -170,6 +170,7 @@ def summary(plan: Plan, evidence: list[Evidence], trials: dict[int, list[Evidenc
         "seeds": seeds,
         "environment": msgspec.to_builtins(evidence[0].environment) if evidence and evidence[0].environment else None,
         "native_asset": native_asset_note(plan),
+        "harnesses": evaluate.metrics.get("harnesses", []) if evaluate else [],
     }
     evaluated = [row["evaluation"] for row in seeds if row["evaluation"]]
     if len(evaluated) > 1:
@@ -246,6 +247,12 @@ def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
                 cells += [(row.get(p) or {}).get("pass^k", {}).get(k) for p in ("base", "trained")]
                 lines.append(f"| {split} | {k} | {row['items']} ({row['excluded_items']}) | "
                              + " | ".join("–" if c is None else f"{c:.3f}" for c in cells) + " |")
+    if data.get("harnesses"):
+        lines += ["", "## Evaluation harnesses (each checkpoint served greedily by the trainer's policy server)", "",
+                  "| harness | task | metric | base | trained | difference (CI) | test | p | verdict |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for row in data["harnesses"]:
+            lines.append(harness_line(row))
     if len(data.get("seeds") or []) > 1:
         lines += ["", "## Seeds (one trial per plan seed; the evaluation above pools them)", "",
                   "| seed | train | evaluate | held-out trained | retention trained |", "|---|---|---|---|---|"]
@@ -255,6 +262,21 @@ def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
                          + " | ".join(evaluation[split]["trained"] if split in evaluation else "–"
                                       for split in ("heldout", "retention")) + " |")
     return "\n".join(lines) + "\n"
+
+
+def harness_line(row: dict[str, Any]) -> str:
+    """A harness's row: each checkpoint's headline (± its standard error, over n samples) and, for 0/1 scores,
+    the paired comparison on the same samples."""
+    def figure(label: str) -> str:
+        value, stderr = row[label]["value"], row[label].get("stderr")
+        return ("–" if value is None else f"{value:.3f}" + (f" ± {stderr:.3f}" if stderr is not None else "")
+                + f" (n={row[label]['samples']})")
+
+    paired = row.get("paired")
+    tail = (f"{paired['difference']:+.3f} ({paired['difference_ci'][0]:+.3f}..{paired['difference_ci'][1]:+.3f}) | "
+            f"{paired['test']} | {paired['p_value']:.3g} | {paired['verdict']}") if paired else "– | – | – | –"
+    return (f"| {row['stack']} ({row.get('upstream') or '?'}) | {row.get('task')} | {row.get('metric')} | "
+            f"{figure('base')} | {figure('trained')} | {tail} |")
 
 
 def write_report(run_dir: Path) -> dict[str, Any]:

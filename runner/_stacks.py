@@ -47,7 +47,8 @@ class StackManifest:
     capabilities: tuple[str, ...] = field(default_factory=tuple)
     policy_sources: tuple[Path, ...] = ()  # files the tiny-policy builder's output depends on
     folder: Path = Path()
-    kind: str = "trainer"  # trainer: trains and hosts the environment itself; environment: a rollout service
+    kind: str = "trainer"  # trainer: trains and hosts the environment itself; environment: a rollout service;
+    # harness: an evaluation harness the evaluate stage runs against the served checkpoints (plan harnesses)
     trainer: str | None = None  # for environment stacks: the trainer stack that drives them
     pip_args: tuple[str, ...] = ()  # extra arguments for installing the lock
     deviations: tuple[str, ...] = ()  # known departures from upstream's declared requirements (recorded in evidence)
@@ -183,7 +184,7 @@ class _ManifestFile(msgspec.Struct, forbid_unknown_fields=True):
     stages: list[StageName]
     capabilities: list[str] = []
     policy_sources: list[str] = []
-    kind: Literal["trainer", "environment"] = "trainer"
+    kind: Literal["trainer", "environment", "harness"] = "trainer"
     trainer: str | None = None
     pip_args: list[str] = []
     deviations: list[str] = []

@@ -1,5 +1,5 @@
 """The evaluate stage: the base and the trained policy, greedy, on the held-out and retention splits;
-paired statistics decide the verdicts."""
+paired statistics decide the verdicts. Then the plan's evaluation harnesses on both (harnesses.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from qualification.gates import evaluate_gates, latest_complete_checkpoint
 from runner_contracts import ErrorInfo, EvalRecord, read_jsonl
 
 from .arm import Arm, StageOutput, run_adapter
+from .harnesses import run_harnesses
 
 
 def stage_evaluate(arm: Arm) -> StageOutput:
@@ -23,4 +24,8 @@ def stage_evaluate(arm: Arm) -> StageOutput:
     _, result = run_adapter(arm, "evaluate", out, options=options)
     gates, summary = evaluate_gates(read_jsonl(out / "eval.jsonl", EvalRecord), arm.plan.gates.retention_margin,
                                     arm.plan.gates.confidence)
-    return StageOutput(metrics={"trained_policy": trained.name, "decoding": "greedy", **summary}, gates=gates)
+    metrics = {"trained_policy": trained.name, "decoding": "greedy", **summary}
+    if arm.plan.harnesses:  # a list, never mistaken for a split's row (those are dicts)
+        harness_checks, metrics["harnesses"] = run_harnesses(arm, trained, out)
+        gates += harness_checks
+    return StageOutput(metrics=metrics, gates=gates)

@@ -23,7 +23,16 @@ from .arm import Arm, StageOutput, run_adapter
 def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, *, in_stack_env: bool,
            prefix: str = "probe", on_gpu: bool = False) -> tuple[EnvironmentInfo, StageResult, list[GateResult]]:
     _, result = run_adapter(arm, "probe", out, in_stack_env=in_stack_env, on_gpu=on_gpu)
-    assert result is not None and result.environment is not None
+    assert result is not None
+    environment, gates = environment_gates(arm, manifest, env, result, prefix)
+    return environment, result, gates
+
+
+def environment_gates(arm: Arm, manifest: StackManifest, env: StackEnvironment, result: StageResult,
+                      prefix: str) -> tuple[EnvironmentInfo, list[GateResult]]:
+    """What a probe job reported about `env`, completed by the host, and the gates on it: the lock, Python,
+    upstream and capabilities as the manifest says, the pins, and no other stack's upstream installed."""
+    assert result.environment is not None
     reported = result.environment
     installed = {normalise(name): version for name, version in reported.packages.items()}
     environment = msgspec.structs.replace(
@@ -37,8 +46,9 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
     foreign = {normalise(m.upstream.name) for m in all_stacks().values()
                if m.name != manifest.name.partition("@")[0]  # a pin set (trl@1.15.0) is its stack's
                and not normalise(m.upstream.name).startswith("runner-")}
-    if manifest.is_environment and "torch" not in manifest.locked_packages():
-        foreign.add("torch")  # an environment stack that does not pin torch must not have one
+    untrained = manifest.kind != "trainer" and "torch" not in manifest.locked_packages()
+    if untrained:
+        foreign.add("torch")  # an environment or harness stack that does not pin torch must not have one
     leaked = sorted(name for name in installed if name in foreign)
     native = arm.plan.task.native
     task_packages = (*(normalise(p.name or "") for p in arm.plan.task.packages), *task_dependencies(arm.plan),
@@ -58,12 +68,12 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment, out: Path, 
                        if missing_caps else "adapter reports every declared capability")),
         GateResult(name=f"{prefix}:no-foreign-packages", passed=not leaked, measured=leaked, threshold=[],
                    detail=(f"found {', '.join(leaked)}" if leaked else
-                           f"no other stack's upstream{' and no torch' if manifest.is_environment else ''} installed")),
+                           f"no other stack's upstream{' and no torch' if untrained else ''} installed")),
     ]
     # Everything above but the pins gate rests on what the job reported from inside its environment.
     gates = [msgspec.structs.replace(gate, reported_by="adapter") for gate in gates]
     gates.insert(4, _pins_gate(manifest, env, prefix))
-    return environment, result, gates
+    return environment, gates
 
 
 def _pins_gate(manifest: StackManifest, env: StackEnvironment, prefix: str) -> GateResult:

@@ -20,7 +20,8 @@ def list_stacks(json_output: bool = typer.Option(False, "--json", help="Print JS
 
     Trainer stacks (trl) train and host their environment in-process; environment stacks (nemo-gym,
     openenv, verifiers, lightning-verl) serve rollouts to the trainer stack named in their manifest. A stack
-    with a GPU environment (lightning-verl: verl) trains itself on GPU plans; its GPU lock is listed too."""
+    with a GPU environment (lightning-verl: verl) trains itself on GPU plans; its GPU lock is listed too.
+    Harness stacks (inspect) are evaluation harnesses a plan's `harnesses` runs in the evaluate stage."""
     with cli_errors():
         engine = LocalEngine()
         rows = []
@@ -45,7 +46,8 @@ def list_stacks(json_output: bool = typer.Option(False, "--json", help="Print JS
     for column in ("name", "kind", "upstream", "python", "lock", "env", "description"):
         table.add_column(column)
     for row in rows:
-        kind = f"environment (trainer: {row['trainer']})" if row["kind"] == "environment" else "trainer"
+        kind = {"environment": f"environment (trainer: {row['trainer']})",
+                "harness": "harness (evaluates the served checkpoints)"}.get(row["kind"], "trainer")
         if row["gpu_lock_sha256"]:
             kind += "; trains itself on GPU plans"
         lock = row["lock_sha256"][:12] + (f"\ngpu: {row['gpu_lock_sha256'][:12]}" if row["gpu_lock_sha256"] else "")

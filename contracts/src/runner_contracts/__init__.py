@@ -41,6 +41,8 @@ from .records import (
     GateResult,
     GateSpec,
     Hardware,
+    HarnessSample,
+    HarnessSpec,
     Plan,
     PolicyCall,
     PolicySpec,
@@ -73,7 +75,7 @@ from .records import (
 
 __all__ = [
     "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "ENVIRONMENT_FILE", "SERVICE_CALLS_FILE", "TEACHER_FILE", "SUPPORTED_VERSION", "TINY_TOOL_FORMATS", "TOOL_CALL_MARKERS", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration", "DistillSpec",
-    "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "EvalRecord", "EvaluationSpec", "Evidence", "GateResult", "GateSpec", "Hardware",
+    "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "EvalRecord", "EvaluationSpec", "Evidence", "GateResult", "GateSpec", "Hardware", "HarnessSample", "HarnessSpec",
     "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Provenance", "Record", "RecordError", "ReleaseSpec", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageName", "StageRequest", "StageResult", "NativeAsset", "TaskPackage", "TaskSpec", "TeacherSample", "TinyFamily", "TinyRecipe", "ToolCallRecord", "ToolFormat", "TrainingRow",
     "Trajectory", "Upstream", "canonical_json", "decode_record", "encode", "freeze_plan", "iter_jsonl",

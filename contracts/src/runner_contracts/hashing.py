@@ -35,6 +35,8 @@ def plan_id(plan: Plan) -> str:
     for late in ("release", "evaluation", "distill"):  # added after the first plans were frozen; absent, they change no id
         if body.get(late) is None:
             body.pop(late, None)
+    if not body.get("harnesses", True):
+        body.pop("harnesses")
     if body.get("budget", {}).get("episode_timeout_s", 0) is None:
         body["budget"].pop("episode_timeout_s")
     return sha256_bytes(canonical_json(body))

@@ -183,6 +183,20 @@ class EvaluationSpec(Record, kw_only=True):
     attempts: Annotated[int, msgspec.Meta(ge=2, le=64)]
 
 
+class HarnessSpec(Record, kw_only=True, omit_defaults=True):
+    """An evaluation harness (a stack of kind harness: Inspect AI, lm-evaluation-harness) that the evaluate
+    stage runs on the base and the trained checkpoint, each served greedily by the trainer's policy server.
+    `task` is the harness's task (a file in a folder of its own, relative to the plan; the folder is copied into
+    the run and its tree's sha256 is part of the plan id), `metric` the headline (default: the harness's own),
+    `limit` the number of samples (default: all)."""
+
+    stack: str
+    task: str
+    metric: str | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    sha256: Sha256 | None = None  # of the task's folder, filled in by the host
+
+
 class DistillSpec(Record, kw_only=True):
     """Distillation (recipe: distill): `teacher` sampled `samples_per_item` times per train item (with `sampling`,
     else the plan's); the samples the task's reference scorer accepts, without duplicates and without a prompt
@@ -209,6 +223,7 @@ class Plan(Record, kw_only=True):
     release: ReleaseSpec | None = None  # plan_id leaves it out when absent: earlier plans keep their ids
     evaluation: EvaluationSpec | None = None  # likewise
     distill: DistillSpec | None = None  # likewise; required by recipe: distill
+    harnesses: list[HarnessSpec] = msgspec.field(default_factory=list)  # likewise when empty
     plan_id: Sha256 | None = None
 
 
@@ -475,6 +490,21 @@ class EvalRecord(Record, kw_only=True):
     attempt: NonNegInt = 0  # sampled: which of plan.evaluation.attempts
 
 
+class HarnessSample(Record, kw_only=True):
+    """One sample an evaluation harness scored (harness.jsonl), as the harness's own log records it: its
+    score as a number, and the episode id its policy calls carried (every call is in the policy server's
+    calls.jsonl under that id)."""
+
+    contract: Literal["harness-sample"] = "harness-sample"
+    version: int = 1
+    policy: Literal["base", "trained"]
+    sample_id: str
+    epoch: Annotated[int, msgspec.Meta(ge=1)] = 1
+    episode_id: str
+    score: float
+    answer: str = ""  # the text the harness scored
+
+
 # --- rollout service (environment adapters) ------------------------------------------------------
 
 
@@ -585,6 +615,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
     "stage-result": StageResult,
     "service-case": ServiceCase,
     "eval-record": EvalRecord,
+    "harness-sample": HarnessSample,
     "teacher-sample": TeacherSample,
     "episode-spec": EpisodeSpec,
     "rollout-request": RolloutRequest,

@@ -2,6 +2,7 @@
 
 from .calls import call_gates
 from .distill import distill_gates
+from .harness import HarnessRun, harness_gates
 from .stages import (
     checkpoint_revisions,
     evaluate_gates,
@@ -16,7 +17,7 @@ from .sft import sft_gates
 from .trace import ScratchDatabase, TraceAudit
 
 __all__ = [
-    "ScratchDatabase",
-    "TraceAudit", "call_gates", "checkpoint_revisions", "distill_gates", "evaluate_gates", "latest_complete_checkpoint",
+    "HarnessRun", "ScratchDatabase",
+    "TraceAudit", "harness_gates", "call_gates", "checkpoint_revisions", "distill_gates", "evaluate_gates", "latest_complete_checkpoint",
     "lock_gate", "pooled_evaluation", "resume_gates", "service_gates", "sft_gates", "update_gates",
 ]

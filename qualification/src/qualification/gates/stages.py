@@ -214,14 +214,14 @@ def evaluate_gates(records: list[EvalRecord], margin: float, confidence: float) 
                                     "evaluated on the same items"))
             continue
         comparison = compare_paired([base[i] for i in items], [trained[i] for i in items], confidence)
-        summary[split] = _paired_row(comparison, confidence)
+        summary[split] = paired_row(comparison, confidence)
         if (baseline := policies.get("baseline")) is not None:  # recipe distill: distilled vs matched SFT baseline
             if set(baseline) != set(trained):
                 gates.append(GateResult(name=f"evaluate:{split}-baseline", passed=False, detail="the matched SFT "
                                         "baseline and the trained policy were not evaluated on the same items"))
             else:
                 versus = compare_paired([baseline[i] for i in items], [trained[i] for i in items], confidence)
-                summary[split]["baseline"] = {**_paired_row(versus, confidence),
+                summary[split]["baseline"] = {**paired_row(versus, confidence),
                                               "reading": "base = the matched SFT baseline, trained = the distilled policy"}
         if split in sampled:
             summary[split]["sampled"] = sampled_figures(sampled[split])
@@ -241,7 +241,7 @@ def evaluate_gates(records: list[EvalRecord], margin: float, confidence: float) 
     return gates, summary
 
 
-def _paired_row(comparison: PairedComparison, confidence: float) -> dict:
+def paired_row(comparison: PairedComparison, confidence: float) -> dict:
     """A split's row: rates with intervals, the paired test and its verdict, what the sample could detect."""
     return {
         "n": comparison.n, "base_k": comparison.base_k, "trained_k": comparison.trained_k,
@@ -301,7 +301,7 @@ def pooled_evaluation(per_seed: list[dict[str, dict]], confidence: float) -> dic
             difference_ci=tuple(row["difference_ci"]), verdict=row["verdict"]) for row in rows], confidence)
         spread = aggregate_seeds([(row["trained_k"], row["n"]) for row in rows], confidence)
         pooled[split] = {
-            **_paired_row(comparison, confidence),
+            **paired_row(comparison, confidence),
             **({"sampled": _pooled_sampled([row["sampled"] for row in rows])} if all("sampled" in row for row in rows)
                else {}),
             "seeds": len(rows), "trained_per_seed": [round(row["trained_k"] / row["n"], 4) for row in rows],

@@ -44,6 +44,7 @@ def run(request: StageRequest) -> StageResult:
         "update": train,
         "train": train,
         "evaluate": evaluate,
+        "serve-policy": serve_policy,
     }
     if request.stage not in handlers:
         raise ValueError(f"trl adapter has no stage {request.stage!r}; it has {', '.join(handlers)}")
@@ -228,6 +229,12 @@ def distill(request: StageRequest) -> StageResult:
 
 
 # --- evaluate ----------------------------------------------------------------------------------------
+
+
+def serve_policy(request: StageRequest) -> StageResult:
+    from .policy_server import serve
+
+    return serve(request)
 
 
 def evaluate(request: StageRequest) -> StageResult:

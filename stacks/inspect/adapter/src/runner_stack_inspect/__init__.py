@@ -1,0 +1,1 @@
+"""runner adapter for Inspect AI."""
