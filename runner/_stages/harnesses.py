@@ -12,6 +12,7 @@ from typing import Any
 
 from qualification.gates import HarnessRun, harness_gates
 from runner_contracts import (
+    HARNESS_FILE,
     EnvironmentInfo,
     GateResult,
     HarnessSample,
@@ -27,9 +28,6 @@ from .._engines.jobs import RunOutcome, StackEnvironment
 from .._stacks import StackManifest, get_stack
 from .arm import Arm, read_any
 from .probe import environment_gates
-
-HARNESS_SAMPLES = "harness.jsonl"
-
 
 def run_harnesses(arm: Arm, trained: Path, out: Path) -> tuple[list[GateResult], list[dict[str, Any]]]:
     """Gates and one summary per harness of the plan; the files under out/harnesses/<stack>/<checkpoint>/."""
@@ -115,7 +113,7 @@ def _run_one(arm: Arm, env: StackEnvironment, spec: HarnessSpec, task: Path, lab
     if reason:
         reported["error"] = reason
     try:
-        samples = read_any(folder, HARNESS_SAMPLES, HarnessSample)
+        samples = read_any(folder, HARNESS_FILE, HarnessSample)
     except RecordError as error:
         samples, reported["status"], reported["error"] = [], "error", str(error)
     return HarnessRun(samples=samples, reported=reported, calls=read_any(folder / "policy", "calls.jsonl", PolicyCall))

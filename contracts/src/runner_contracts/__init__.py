@@ -21,6 +21,7 @@ from .records import (
     RECORD_TYPES,
     ENVIRONMENT_FILE,
     SERVICE_CALLS_FILE,
+    HARNESS_FILE,
     TEACHER_FILE,
     SUPPORTED_VERSION,
     TINY_TOOL_FORMATS,
@@ -74,7 +75,7 @@ from .records import (
 )
 
 __all__ = [
-    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "ENVIRONMENT_FILE", "SERVICE_CALLS_FILE", "TEACHER_FILE", "SUPPORTED_VERSION", "TINY_TOOL_FORMATS", "TOOL_CALL_MARKERS", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration", "DistillSpec",
+    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "ENVIRONMENT_FILE", "SERVICE_CALLS_FILE", "HARNESS_FILE", "TEACHER_FILE", "SUPPORTED_VERSION", "TINY_TOOL_FORMATS", "TOOL_CALL_MARKERS", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration", "DistillSpec",
     "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "EvalRecord", "EvaluationSpec", "Evidence", "GateResult", "GateSpec", "Hardware", "HarnessSample", "HarnessSpec",
     "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Provenance", "Record", "RecordError", "ReleaseSpec", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageName", "StageRequest", "StageResult", "NativeAsset", "TaskPackage", "TaskSpec", "TeacherSample", "TinyFamily", "TinyRecipe", "ToolCallRecord", "ToolFormat", "TrainingRow",

@@ -450,6 +450,7 @@ class StageResult(Record, kw_only=True):
 
 SERVICE_CALLS_FILE = "service-calls.jsonl"  # the service stage's scripted policy calls (PolicyCall records)
 TEACHER_FILE = "teacher.jsonl"  # the distill stage's teacher samples (TeacherSample records)
+HARNESS_FILE = "harness.jsonl"  # a harness job's scored samples (HarnessSample records)
 # In a rollout service's folder, kept current while it runs: {"pids": [...]} of its environment's processes.
 ENVIRONMENT_FILE = "environment.json"
 

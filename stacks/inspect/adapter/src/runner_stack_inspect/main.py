@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from runner_contracts import ErrorInfo, HarnessSample, JsonlWriter, StageRequest, StageResult
-from runner_kit.rollout import environment_info
+from runner_contracts import HARNESS_FILE, ErrorInfo, HarnessSample, StageRequest, StageResult
+from runner_kit.harness import harness_main, write_samples
 
 from . import attribution  # importing it registers the hook that names each sample's calls
 
@@ -23,14 +23,7 @@ PROVIDER = "openai-api/runner/policy"  # Inspect's OpenAI-compatible provider: s
 
 
 def run(request: StageRequest) -> StageResult:
-    handlers = {"probe": probe, "harness": harness}
-    if request.stage not in handlers:
-        raise ValueError(f"inspect adapter has no job {request.stage!r}; it has {', '.join(handlers)}")
-    return handlers[request.stage](request)
-
-
-def probe(request: StageRequest) -> StageResult:
-    return StageResult(stage="probe", environment=environment_info(UPSTREAM), capabilities=CAPABILITIES)
+    return harness_main(request, upstream=UPSTREAM, capabilities=CAPABILITIES, harness=harness)
 
 
 def harness(request: StageRequest) -> StageResult:
@@ -53,9 +46,7 @@ def harness(request: StageRequest) -> StageResult:
     )
     log = logs[0]
     samples = [_sample(label, sample) for sample in (log.samples or [])]
-    with JsonlWriter(out / "harness.jsonl") as writer:
-        for sample in samples:
-            writer.write(sample)
+    write_samples(out, samples)
     metric, value, stderr = _headline(log, options.get("metric"))
     metrics: dict[str, Any] = {
         "status": log.status, "upstream": f"{UPSTREAM}=={inspect_ai.__version__}", "task": log.eval.task,
@@ -63,7 +54,7 @@ def harness(request: StageRequest) -> StageResult:
         "log": str(Path(log.location).relative_to(out)) if log.location else None,
     }
     error = ErrorInfo(kind="harness", message=str(log.error.message)) if log.error else None
-    return StageResult(stage="harness", files={"samples": "harness.jsonl", "logs": "logs"}, metrics=metrics,
+    return StageResult(stage="harness", files={"samples": HARNESS_FILE, "logs": "logs"}, metrics=metrics,
                        error=error)
 
 

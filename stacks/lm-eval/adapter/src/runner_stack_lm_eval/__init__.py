@@ -1,0 +1,1 @@
+"""runner adapter for lm-evaluation-harness."""
