@@ -73,6 +73,7 @@ bench: system-deps $(BENCH_STAMP)
 	$(BIN)/python bench/bench_environments.py
 	$(BIN)/python bench/bench_policy_server.py
 	$(BIN)/python bench/bench_engines.py
+	$(BIN)/python bench/bench_slurm_render.py
 	$(BIN)/python bench/results.py
 
 schema: $(STAMP)
