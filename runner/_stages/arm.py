@@ -73,6 +73,10 @@ class Arm:
         self.current_stage = stage
         self.stage_deadline = time.monotonic() + self.plan.budget.wall_clock_s
 
+    def time_left(self) -> float:
+        """Seconds the current stage's jobs have left together (the plan's wall_clock_s outside a stage)."""
+        return (self.stage_deadline - time.monotonic()) if self.stage_deadline is not None else self.plan.budget.wall_clock_s
+
     def request_plan(self) -> Plan:
         """The plan a job is given: in the train and evaluate stages, sampling with the trial's seed (the
         other stages qualify the machinery with the plan's sampling.seed)."""
@@ -190,7 +194,7 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
                            out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir), steps=steps,
                            resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
     peer = arm.service if arm.service_env is not None and not in_stack_env else None
-    left = (arm.stage_deadline - time.monotonic()) if arm.stage_deadline is not None else arm.plan.budget.wall_clock_s
+    left = arm.time_left()
     if left <= 0:
         raise AdapterFailed(ErrorInfo(kind="timeout", message=f"{arm.current_stage or stage} used up the plan's "
                                       f"wall_clock_s ({arm.plan.budget.wall_clock_s:g} s per stage) before its "

@@ -21,11 +21,8 @@ def harness_main(request: StageRequest, *, upstream: str, capabilities: list[str
     raise ValueError(f"a harness adapter has the jobs probe and harness, not {request.stage!r}")
 
 
-def write_samples(out_dir: Path, samples: Iterable[HarnessSample]) -> int:
-    """harness.jsonl in `out_dir`; how many samples it holds."""
-    count = 0
+def write_samples(out_dir: Path, samples: Iterable[HarnessSample]) -> None:
+    """harness.jsonl in `out_dir`."""
     with JsonlWriter(out_dir / HARNESS_FILE) as writer:
         for sample in samples:
             writer.write(sample)
-            count += 1
-    return count

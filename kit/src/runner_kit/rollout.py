@@ -544,12 +544,16 @@ class _PublishedEnvironment:
         self._thread.join(timeout=5)
 
 
+def publish_service(out_dir: Path, url: str, stack: str) -> None:
+    """service.json {url, pid, stack}: a long-running job's word to the host that it answers at `url`."""
+    write_atomic(out_dir / SERVICE_FILE, msgspec.json.encode({"url": url, "pid": os.getpid(), "stack": stack}))
+
+
 def _serve(backend: RolloutBackend, request: StageRequest) -> StageResult:
     """The rollout service; blocks until SIGTERM/SIGINT, then stops the backend."""
     stop = StopSignal()
     with RolloutService(backend) as service, _PublishedEnvironment(backend, Path(request.out_dir) / ENVIRONMENT_FILE):
-        write_atomic(Path(request.out_dir) / SERVICE_FILE,
-                     msgspec.json.encode({"url": service.url, "pid": os.getpid(), "stack": backend.stack}))
+        publish_service(Path(request.out_dir), service.url, backend.stack)
         stop.wait()
         print(f"rollout service: stop signal, stopping {backend.stack}", file=sys.stderr, flush=True)
         stopping = time.monotonic()

@@ -5,7 +5,7 @@ log, which the trainer's own server wrote) must agree."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from runner_contracts import GateResult, HarnessSample, PolicyCall
@@ -22,7 +22,7 @@ class HarnessRun:
 
     samples: list[HarnessSample]
     reported: dict[str, Any]
-    calls: list[PolicyCall] = field(default_factory=list)
+    calls: list[PolicyCall]
 
 
 def harness_gates(stack: str, runs: dict[str, HarnessRun], confidence: float) -> tuple[list[GateResult], dict]:

@@ -16,15 +16,13 @@ Concurrent calls share decode steps (batching.py), bit-identical to sampling eac
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
-from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec, StageRequest, StageResult, sha256_file, write_atomic
+from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec, StageRequest, StageResult, sha256_file
 from runner_contracts.processes import StopSignal
 from runner_kit.http import Call, HttpError, JsonServer, Reply
 from runner_kit.tool_formats import completion_text, parse_tool_calls
@@ -41,7 +39,7 @@ from runner_kit.policy import (
     stream_chunks,
     token_logprobs,
 )
-from runner_kit.rollout import SERVICE_FILE
+from runner_kit.rollout import publish_service
 
 from .batching import MAX_ROWS, BatchingSampler
 
@@ -269,8 +267,7 @@ def serve(request: StageRequest) -> StageResult:
     server.start()
     ok = False
     try:
-        write_atomic(out / SERVICE_FILE, msgspec.json.encode({"url": server.base_url, "pid": os.getpid(),
-                                                              "stack": request.stack}))
+        publish_service(out, server.base_url, request.stack)
         stop.wait()
         ok = True
     finally:
