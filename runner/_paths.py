@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from runner_contracts import Plan
+from runner_contracts import AnyPlan, DomainPlan, Plan
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,25 +23,25 @@ def cache_dir() -> Path:
     return base / "runner"
 
 
-def task_package_dir(plan: Plan) -> Path | None:
+def task_package_dir(plan: AnyPlan) -> Path | None:
     """Where a plan's task packages are built (one folder per set of package contents), or None."""
-    if not plan.task.packages:
+    if isinstance(plan, DomainPlan) or not plan.task.packages:
         return None
     digest = hashlib.sha256("\0".join(p.sha256 or "" for p in plan.task.packages).encode()).hexdigest()[:16]
     return cache_dir() / "task-packages" / digest
 
 
-def native_asset_dir(plan: Plan) -> Path | None:
+def native_asset_dir(plan: AnyPlan) -> Path | None:
     """Where a plan's native asset is built (one folder per package content), or None."""
-    native = plan.task.native
+    native = None if isinstance(plan, DomainPlan) else plan.task.native
     return cache_dir() / "native-assets" / (native.sha256 or "")[:16] if native is not None else None
 
 
-def job_paths(plan: Plan, stack: str) -> list[Path]:
+def job_paths(plan: AnyPlan, stack: str) -> list[Path]:
     """What goes on a job's PYTHONPATH: the plan's task packages, and its native asset for the asset's own
     stack's jobs only (the trainer's and the host's processes never import it)."""
     paths = [task_package_dir(plan)]
-    if plan.task.native is not None and plan.task.native.stack == stack:
+    if native_asset_dir(plan) is not None and plan.task.native.stack == stack:
         paths.insert(0, native_asset_dir(plan))
     return [path for path in paths if path is not None]
 

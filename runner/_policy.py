@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 from qualification.tasks import sources
-from runner_contracts import (TOOL_CALL_MARKERS, Plan, PolicySpec, StageRequest, canonical_json, freeze_plan,
+from runner_contracts import (TOOL_CALL_MARKERS, AnyPlan, DomainPlan, Plan, PolicySpec, StageRequest, canonical_json, freeze_plan,
                               sha256_file)
 
 from ._engines.jobs import file_lock, last_error_lines, tree_hash
@@ -91,9 +91,11 @@ def _readable(folder: Path) -> Path:
     return folder
 
 
-def resolve_policy(plan: Plan, engine: LocalEngine) -> Plan:
+def resolve_policy(plan: AnyPlan, engine: LocalEngine) -> AnyPlan:
     """The plan with policy.path and policy.sha256 filled in (and a distillation teacher's), plan_id set: the
-    frozen plan."""
+    frozen plan. A domain plan has no policy: its model is the stack's own."""
+    if isinstance(plan, DomainPlan):
+        return freeze_plan(msgspec.structs.replace(plan, plan_id=None))
     plan = msgspec.structs.replace(plan, policy=_resolved(plan.policy, "policy", plan, engine))
     if plan.distill is not None:
         teacher = _resolved(plan.distill.teacher, "distill.teacher", plan, engine)

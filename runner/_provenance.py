@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from qualification.tasks import FamilyError, get_family, source_of
-from runner_contracts import Plan, Provenance
+from runner_contracts import AnyPlan, DomainPlan, Plan, Provenance
 
 from ._paths import PROJECT_ROOT
 
@@ -66,8 +66,13 @@ def _family_line(name: str) -> str:
         return f"not found: {error}"
 
 
-def provenance(plan: Plan) -> Provenance:
+def provenance(plan: AnyPlan) -> Provenance:
     commit, dirty = _source()
+    if isinstance(plan, DomainPlan):  # no task families, no chat template: the data is the stack's own recipe
+        return Provenance(runner_version=_version("runner") or "unknown", git_commit=commit, git_dirty=dirty,
+                          command=list(sys.argv), python=platform.python_version(),
+                          platform=f"{platform.system()} {platform.machine()}",
+                          host_packages={name: version for name in HOST_PACKAGES if (version := _version(name))})
     families = {plan.task.family} | {spec.family for spec in (plan.task.train, plan.task.heldout, plan.task.retention)
                                      if spec.family}
     return Provenance(

@@ -11,8 +11,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from qualification.gates import pooled_evaluation
-from runner_contracts import Evidence, Plan, read_record
+from runner_contracts import AnyPlan, DomainPlan, Evidence, Plan, read_record
 
+from ._domain_report import domain_html, domain_markdown, domain_summary
 from ._errors import UserError
 from ._html import measured_cell
 from ._html import render as render_html
@@ -22,7 +23,7 @@ from ._stages import STAGES, TRIAL_STAGES, trial_dir
 STATUS_STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "dim"}
 
 
-def load_trials(run_dir: Path, plan: Plan) -> dict[int, list[Evidence]]:
+def load_trials(run_dir: Path, plan: AnyPlan) -> dict[int, list[Evidence]]:
     """The evidence of each further plan seed's trial (its train and evaluate stages), by seed."""
     trials = {}
     for seed in plan.seeds[1:]:
@@ -34,10 +35,10 @@ def load_trials(run_dir: Path, plan: Plan) -> dict[int, list[Evidence]]:
     return trials
 
 
-def load_run(run_dir: Path) -> tuple[Plan, list[Evidence]]:
+def load_run(run_dir: Path) -> tuple[AnyPlan, list[Evidence]]:
     if not (run_dir / "plan.json").is_file():
         raise UserError(f"{run_dir}: not a run directory (no plan.json)")
-    plan = read_record(run_dir / "plan.json", Plan)
+    plan = read_record(run_dir / "plan.json", AnyPlan)
     evidence = [read_record(run_dir / "stages" / stage / "evidence.json", Evidence)
                 for stage in STAGES if (run_dir / "stages" / stage / "evidence.json").is_file()]
     return plan, evidence
@@ -282,6 +283,13 @@ def harness_line(row: dict[str, Any]) -> str:
 def write_report(run_dir: Path) -> dict[str, Any]:
     """report.md, report.html (self-contained) and summary.json from the run's plan and evidence."""
     plan, evidence = load_run(run_dir)
+    if isinstance(plan, DomainPlan):
+        data = domain_summary(plan, evidence, load_trials(run_dir, plan))
+        write_redacted(run_dir / "report.md", domain_markdown(plan, evidence, data))
+        write_redacted(run_dir / "report.html", domain_html(f"Qualification: {data['stack']} on {plan.name}",
+                                                           [(data["stack"] or "arm", plan, evidence, data)]))
+        write_redacted(run_dir / "summary.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return data
     data = summary(plan, evidence, load_trials(run_dir, plan))
     write_redacted(run_dir / "report.md", markdown(plan, evidence, data))
     write_redacted(run_dir / "report.html", render_html(plan, [(data["stack"] or "arm", evidence, data)]))

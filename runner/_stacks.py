@@ -48,7 +48,8 @@ class StackManifest:
     policy_sources: tuple[Path, ...] = ()  # files the tiny-policy builder's output depends on
     folder: Path = Path()
     kind: str = "trainer"  # trainer: trains and hosts the environment itself; environment: a rollout service;
-    # harness: an evaluation harness the evaluate stage runs against the served checkpoints (plan harnesses)
+    # harness: an evaluation harness the evaluate stage runs against the served checkpoints (plan harnesses);
+    # domain: trains and scores a non-language model natively (MACE, LeRobot) on a domain plan
     trainer: str | None = None  # for environment stacks: the trainer stack that drives them
     pip_args: tuple[str, ...] = ()  # extra arguments for installing the lock
     deviations: tuple[str, ...] = ()  # known departures from upstream's declared requirements (recorded in evidence)
@@ -184,7 +185,7 @@ class _ManifestFile(msgspec.Struct, forbid_unknown_fields=True):
     stages: list[StageName]
     capabilities: list[str] = []
     policy_sources: list[str] = []
-    kind: Literal["trainer", "environment", "harness"] = "trainer"
+    kind: Literal["trainer", "environment", "harness", "domain"] = "trainer"
     trainer: str | None = None
     pip_args: list[str] = []
     deviations: list[str] = []

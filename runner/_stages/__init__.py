@@ -23,6 +23,7 @@ from .evaluate import stage_evaluate
 from .probe import stage_probe
 from .resume import stage_resume
 from .distill import stage_distill
+from .domain import DOMAIN_STAGE_FUNCTIONS
 from .rollout import stage_rollout
 from .service import stage_service
 from .training import stage_train, stage_update
@@ -48,7 +49,7 @@ def run_stage(arm: Arm, stage: str) -> Evidence:
     arm.start_stage(stage)
     arm.stage_dir(stage).mkdir(parents=True, exist_ok=True)
     try:
-        output = STAGE_FUNCTIONS[stage](arm)
+        output = (DOMAIN_STAGE_FUNCTIONS if arm.manifest.kind == "domain" else STAGE_FUNCTIONS)[stage](arm)
     except AdapterFailed as failure:
         output = StageOutput(error=failure.info)
     except RecordError as error:

@@ -16,7 +16,9 @@ import msgspec
 from runner_contracts import (
     PARTIAL_SUFFIX,
     TEACHER_FILE,
+    AnyPlan,
     Checkpoint,
+    DomainPlan,
     EnvironmentInfo,
     ErrorInfo,
     GateResult,
@@ -52,7 +54,7 @@ class Arm:
     manifest: StackManifest
     engine: Engine
     env: StackEnvironment
-    plan: Plan
+    plan: AnyPlan
     run_dir: Path
     on_event: Callable[[str, str], None] = lambda stage, message: None
     environment: EnvironmentInfo | None = None
@@ -77,9 +79,15 @@ class Arm:
         """Seconds the current stage's jobs have left together (the plan's wall_clock_s outside a stage)."""
         return (self.stage_deadline - time.monotonic()) if self.stage_deadline is not None else self.plan.budget.wall_clock_s
 
-    def request_plan(self) -> Plan:
-        """The plan a job is given: in the train and evaluate stages, sampling with the trial's seed (the
-        other stages qualify the machinery with the plan's sampling.seed)."""
+    def request_plan(self) -> AnyPlan:
+        """The plan a job is given: in the train and evaluate stages, sampling (a domain plan: the model's
+        initial weights and data order) with the trial's seed; the other stages qualify the machinery with
+        the plan's own seed."""
+        if isinstance(self.plan, DomainPlan):
+            if self.current_stage not in TRIAL_STAGES or self.trial_seed in (None, self.plan.model.seed):
+                return self.plan
+            return msgspec.structs.replace(self.plan, model=msgspec.structs.replace(self.plan.model,
+                                                                                    seed=self.trial_seed))
         if self.current_stage not in TRIAL_STAGES or self.trial_seed in (None, self.plan.sampling.seed):
             return self.plan
         return msgspec.structs.replace(self.plan, sampling=msgspec.structs.replace(self.plan.sampling,
@@ -104,14 +112,14 @@ class Arm:
         if self.service is None or not self.service.alive():
             request = StageRequest(run_id=self.run_id, stack=self.manifest.name, stage="serve", plan=self.plan,
                                    out_dir=str((self.run_dir / "service").resolve()),
-                                   policy_dir=str(self.policy_dir))
+                                   policy_dir=str(self.policy_dir) if self.policy_dir else None)
             self.service = self.engine.start_service(self.service_env, request)
         return self.service.url
 
     @property
-    def policy_dir(self) -> Path:
-        assert self.plan.policy.path
-        return Path(self.plan.policy.path)
+    def policy_dir(self) -> Path | None:
+        """The plan's policy checkpoint; None for a domain plan (its model is the stack's own)."""
+        return Path(self.plan.policy.path) if isinstance(self.plan, Plan) and self.plan.policy.path else None
 
     def stage_dir(self, stage: str) -> Path:
         return self.run_dir / "stages" / stage
@@ -127,7 +135,7 @@ def trial_dir(run_dir: Path, seed: int) -> Path:
     return run_dir / "seeds" / f"seed-{seed}"
 
 
-def prepare_arm(manifest: StackManifest, engine: Engine, plan: Plan, run_dir: Path) -> Arm:
+def prepare_arm(manifest: StackManifest, engine: Engine, plan: AnyPlan, run_dir: Path) -> Arm:
     """Environments for one arm: the stack's own, plus its trainer's for an environment stack, plus its GPU
     environment on a GPU plan when it has one. The arm itself runs the trial of the plan's first seed."""
     gpu_env = engine.prepare(manifest.for_gpu()) if plan.budget.gpus and manifest.gpu else None
@@ -150,15 +158,15 @@ class StageOutput:
     error: ErrorInfo | None = None
 
 
-def default_run_dir(stack: str, plan: Plan, base: Path = Path("runs")) -> Path:
+def default_run_dir(stack: str, plan: AnyPlan, base: Path = Path("runs")) -> Path:
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return base / f"{stamp}-{stack}-{re.sub(r'[^A-Za-z0-9_.-]', '_', plan.name)}"
 
 
-def check_run_dir(target: Path, plan: Plan) -> None:
+def check_run_dir(target: Path, plan: AnyPlan) -> None:
     """Refuses a run directory that already holds another plan's arm."""
     if target.exists() and (target / "plan.json").is_file():
-        existing = read_record(target / "plan.json", Plan)
+        existing = read_record(target / "plan.json", AnyPlan)
         if existing.plan_id != plan.plan_id:
             raise UserError(f"run directory {target}: holds plan {(existing.plan_id or '')[:12]}, not "
                             f"{(plan.plan_id or '')[:12]}; arms with different plans are never mixed")
@@ -178,7 +186,7 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
     `in_stack_env` runs the job in the environment stack's own environment instead. Training jobs of an arm
     with a GPU environment, and jobs with `on_gpu`, run in that environment (the stack trains itself)."""
     options = dict(options or {})
-    if arm.plan.recipe == "distill" and stage in ("update", "train"):  # the student learns the kept samples
+    if isinstance(arm.plan, Plan) and arm.plan.recipe == "distill" and stage in ("update", "train"):  # the student learns the kept samples
         options["demonstrations"] = str(((arm.arm_dir or arm.run_dir) / "stages" / "distill" / TEACHER_FILE).resolve())
     env = arm.env
     on_gpu = on_gpu or arm.trains_on_gpu(stage)
@@ -191,7 +199,8 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
         else:
             options["rollout_service"] = arm.rollout_service_url()
     request = StageRequest(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan=arm.request_plan(),
-                           out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir), steps=steps,
+                           out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir) if arm.policy_dir else None,
+                           steps=steps,
                            resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
     peer = arm.service if arm.service_env is not None and not in_stack_env else None
     left = arm.time_left()

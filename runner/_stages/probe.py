@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 
 from qualification.gates import lock_gate
-from runner_contracts import EnvironmentInfo, GateResult, StageResult
+from runner_contracts import AnyPlan, DomainPlan, EnvironmentInfo, GateResult, StageResult
 
 from .._engines.jobs import StackEnvironment
 from .._engines.local import LocalEngine
@@ -50,9 +50,7 @@ def environment_gates(arm: Arm, manifest: StackManifest, env: StackEnvironment, 
     if untrained:
         foreign.add("torch")  # an environment or harness stack that does not pin torch must not have one
     leaked = sorted(name for name in installed if name in foreign)
-    native = arm.plan.task.native
-    task_packages = (*(normalise(p.name or "") for p in arm.plan.task.packages), *task_dependencies(arm.plan),
-                     *([normalise(native.name or "")] if native is not None else []))
+    task_packages = _task_packages(arm.plan)
     gates = [
         msgspec.structs.replace(lock_gate(installed, manifest.locked_packages(), task_packages),
                                 name=f"{prefix}:lock-match"),
@@ -74,6 +72,16 @@ def environment_gates(arm: Arm, manifest: StackManifest, env: StackEnvironment, 
     gates = [msgspec.structs.replace(gate, reported_by="adapter") for gate in gates]
     gates.insert(4, _pins_gate(manifest, env, prefix))
     return environment, gates
+
+
+def _task_packages(plan: AnyPlan) -> tuple[str, ...]:
+    """Distributions the plan installs into jobs beside the lock: task packages, their dependencies, a native
+    asset (a domain plan installs none)."""
+    if isinstance(plan, DomainPlan):
+        return ()
+    native = plan.task.native
+    return (*(normalise(p.name or "") for p in plan.task.packages), *task_dependencies(plan),
+            *([normalise(native.name or "")] if native is not None else []))
 
 
 def _pins_gate(manifest: StackManifest, env: StackEnvironment, prefix: str) -> GateResult:

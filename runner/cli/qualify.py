@@ -6,14 +6,17 @@ from pathlib import Path
 
 import typer
 
+from runner_contracts import AnyPlan, DomainPlan
+
 from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
 from .._plan import load_plan
 from .._plan_checks import arm_problem
 from .._policy import resolve_policy
+from .._domain_report import native_table
 from .._report import gate_table, load_run
-from .._stacks import get_stack
+from .._stacks import StackManifest, get_stack
 from .._stages import RECIPE_STAGES, STAGES, default_run_dir
 from ._common import cli_errors, console, err_console, print_json, writable_run_dir
 
@@ -30,6 +33,19 @@ def parse_stages(text: str | None, available: tuple[str, ...], stack: str) -> li
     if missing:
         raise UserError(f"--stages: the {stack} stack does not provide {', '.join(missing)}")
     return [stage for stage in STAGES if stage in wanted]
+
+
+def domain_problem(plan: AnyPlan, manifest: StackManifest) -> str | None:
+    """Why a plan and a stack do not go together across the domain line, or None."""
+    if not isinstance(plan, DomainPlan):
+        return (f"the {manifest.name} stack is a domain stack: it runs domain plans (name, domain, data, model, "
+                f"budget, headline), e.g. stacks/{manifest.name}/plans/cpu.yaml")
+    if manifest.kind != "domain":
+        return (f"{plan.name} is a domain plan (domain: {plan.domain}); the {manifest.name} stack runs language-model "
+                f"plans; qualify the {plan.domain} stack with it")
+    if plan.domain != manifest.name.partition("@")[0]:
+        return f"{plan.name} is a plan for the {plan.domain} stack, not {manifest.name}"
+    return None
 
 
 def report_submitted(submitted: Submitted, *, json_output: bool) -> None:
@@ -88,12 +104,14 @@ def qualify(
     with cli_errors():
         manifest = get_stack(stack)
         plan = load_plan(plan_path, logger(json_output))
-        if problem := arm_problem(plan, [stack]):
+        if problem := domain_problem(plan, manifest) if manifest.kind == "domain" or isinstance(plan, DomainPlan) \
+                else arm_problem(plan, [stack]):
             raise UserError(problem)
         if resume and run_dir is not None and not run_dir.is_dir():
             raise UserError(f"--resume: {run_dir} is not a run directory; nothing to continue")
         target = writable_run_dir(run_dir) if run_dir else None
-        selected = parse_stages(stages, tuple(s for s in manifest.stages if s in RECIPE_STAGES[plan.recipe]), stack)
+        recipe_stages = STAGES if isinstance(plan, DomainPlan) else RECIPE_STAGES[plan.recipe]
+        selected = parse_stages(stages, tuple(s for s in manifest.stages if s in recipe_stages), stack)
         if resume and run_dir is None:
             raise UserError("--resume needs --run-dir: the run to continue")
         runner = make_executor(executor, engine=engine, images={stack: image} if image else None, cluster=cluster,
@@ -110,6 +128,8 @@ def qualify(
         print_json(data)
     else:
         console.print(gate_table(evidence, f"{stack} on {frozen.name} (plan {frozen.plan_id[:12]})"))
+        if data.get("native"):
+            console.print(native_table(data))
         for stage, split in data.get("evaluation", {}).items():
             detectable = split.get("detectable_difference")
             console.print(f"{stage}: base {split['base']} -> trained {split['trained']}: [bold]{split['verdict']}[/] "

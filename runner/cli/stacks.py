@@ -47,7 +47,8 @@ def list_stacks(json_output: bool = typer.Option(False, "--json", help="Print JS
         table.add_column(column)
     for row in rows:
         kind = {"environment": f"environment (trainer: {row['trainer']})",
-                "harness": "harness (evaluates the served checkpoints)"}.get(row["kind"], "trainer")
+                "harness": "harness (evaluates the served checkpoints)",
+                "domain": "domain (trains and scores natively)"}.get(row["kind"], "trainer")
         if row["gpu_lock_sha256"]:
             kind += "; trains itself on GPU plans"
         lock = row["lock_sha256"][:12] + (f"\ngpu: {row['gpu_lock_sha256'][:12]}" if row["gpu_lock_sha256"] else "")

@@ -16,6 +16,21 @@ from .io import (
     write_atomic,
     write_record,
 )
+from .domain import (
+    DATA_MANIFEST,
+    METRICS_FILE,
+    PREDICTIONS_FILE,
+    STEPS_FILE,
+    DataSplit,
+    DomainBudget,
+    DomainData,
+    DomainGates,
+    DomainModel,
+    DomainPlan,
+    DomainPrediction,
+    DomainStep,
+    NativeMetric,
+)
 from .records import (
     COMPLETE_MARKER,
     RECORD_TYPES,
@@ -26,6 +41,7 @@ from .records import (
     SUPPORTED_VERSION,
     TINY_TOOL_FORMATS,
     TOOL_CALL_MARKERS,
+    AnyPlan,
     Artifact,
     BudgetSpec,
     CapturedCall,
@@ -75,7 +91,9 @@ from .records import (
 )
 
 __all__ = [
-    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "ENVIRONMENT_FILE", "SERVICE_CALLS_FILE", "HARNESS_FILE", "TEACHER_FILE", "SUPPORTED_VERSION", "TINY_TOOL_FORMATS", "TOOL_CALL_MARKERS", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration", "DistillSpec",
+    "DATA_MANIFEST", "METRICS_FILE", "PREDICTIONS_FILE", "STEPS_FILE", "DataSplit", "DomainBudget", "DomainData",
+    "DomainGates", "DomainModel", "DomainPlan", "DomainPrediction", "DomainStep", "NativeMetric",
+    "COMPLETE_MARKER", "PARTIAL_SUFFIX", "RECORD_TYPES", "ENVIRONMENT_FILE", "SERVICE_CALLS_FILE", "HARNESS_FILE", "TEACHER_FILE", "SUPPORTED_VERSION", "TINY_TOOL_FORMATS", "TOOL_CALL_MARKERS", "AnyPlan", "Artifact", "BudgetSpec", "CapturedCall", "Checkpoint", "Demonstration", "DistillSpec",
     "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "EvalRecord", "EvaluationSpec", "Evidence", "GateResult", "GateSpec", "Hardware", "HarnessSample", "HarnessSpec",
     "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Provenance", "Record", "RecordError", "ReleaseSpec", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageName", "StageRequest", "StageResult", "NativeAsset", "TaskPackage", "TaskSpec", "TeacherSample", "TinyFamily", "TinyRecipe", "ToolCallRecord", "ToolFormat", "TrainingRow",

@@ -207,8 +207,9 @@ class DistillSpec(Record, kw_only=True):
     sampling: SamplingSpec | None = None
 
 
-class Plan(Record, kw_only=True):
-    contract: Literal["plan"] = "plan"
+class Plan(Record, kw_only=True, tag_field="contract", tag="plan"):
+    """A language-model plan. Tagged ("contract": "plan") so that a stage request carries it or a domain plan."""
+
     version: int = 1
     name: str
     # grpo: sampled episodes + rewards; sft: the task's demonstrations; distill: a teacher's accepted samples
@@ -413,7 +414,7 @@ class StageRequest(Record, kw_only=True):
     run_id: str
     stack: str
     stage: str  # a StageName, or an adapter job such as "build-policy"
-    plan: Plan
+    plan: Plan | DomainPlan  # a language-model plan, or a domain stack's (runner_contracts.domain)
     out_dir: str
     policy_dir: str | None = None
     steps: int | None = None
@@ -606,6 +607,10 @@ class PolicyCall(Record, kw_only=True):
     seconds: float = 0.0
 
 
+from .domain import DOMAIN_RECORD_TYPES, DomainPlan  # noqa: E402  (domain records build on the ones above)
+
+AnyPlan = Plan | DomainPlan  # what a run directory's plan.json holds: a language-model or a domain plan
+
 RECORD_TYPES: dict[str, type[Record]] = {
     "plan": Plan,
     "trajectory": Trajectory,
@@ -623,5 +628,6 @@ RECORD_TYPES: dict[str, type[Record]] = {
     "episode-result": EpisodeResult,
     "rollout-response": RolloutResponse,
     "policy-call": PolicyCall,
+    **DOMAIN_RECORD_TYPES,
 }
 SUPPORTED_VERSION = 1
