@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 TEST_STAMP = $(VENV)/.installed-test
 BENCH_STAMP = $(VENV)/.installed-bench
 
-.PHONY: demo test test-fast test-engines test-families test-harnesses bench schema lint clean python-deps system-deps
+.PHONY: demo test test-fast test-engines test-families test-harnesses test-domains bench schema lint clean python-deps system-deps
 
 # Host environment: the runner CLI, contracts, tasks/gates (no torch, no upstream stacks); the suite adds
 # its test tools.
@@ -66,6 +66,10 @@ test-families: system-deps $(TEST_STAMP)
 # lm-evaluation-harness beside Inspect AI as evaluation harnesses (~1.5 min more than the suite's budget holds).
 test-harnesses: system-deps $(TEST_STAMP)
 	RUNNER_TEST_ALL_HARNESSES=1 $(BIN)/python -m pytest -q -ra tests/test_harnesses.py
+
+# The mace domain stack qualified on its own CPU plan (~4 min more than the suite's budget holds).
+test-domains: system-deps $(TEST_STAMP)
+	RUNNER_TEST_ALL_DOMAINS=1 $(BIN)/python -m pytest -q -ra tests/test_domain.py
 
 bench: system-deps $(BENCH_STAMP)
 	$(BIN)/python bench/bench_validate.py --gigabytes 10  # the scale line needs ~10 GB free under $$TMPDIR or RUNNER_BENCH_TMP

@@ -31,8 +31,9 @@ def test_a_killed_comparison_leaves_nothing_running_and_resumes(tmp_path):
         started = leftover_processes(run_dir)
         os.kill(host.pid, signal.SIGKILL)
         host.wait()
-        wait_until(lambda: not leftover_processes(run_dir), "the killed host's jobs to end", 30)
-        assert all(gone(int(line.split(":")[0])) for line in started)
+        # A process on its way out can no longer be read (so it is no leftover) before its state says so.
+        wait_until(lambda: not leftover_processes(run_dir) and all(gone(int(line.split(":")[0])) for line in started),
+                   f"the killed host's jobs to end: {started}", 30)
     finally:
         if host.poll() is None:
             host.kill()
