@@ -3,6 +3,8 @@ typed records, every error one line naming the file, the line where known, and t
 
 from __future__ import annotations
 
+import json
+
 import math
 import re
 import tomllib
@@ -167,7 +169,10 @@ def parse_yaml(path: Path, what: str, shape: str) -> tuple[dict, yaml.Node]:
     text = read_text(path, what)
     try:
         root = yaml.compose(text)
-        data = yaml.safe_load(text)
+        # JSON is YAML, but YAML 1.1 reads JSON's 1e-06 as a string: a .json file is read as JSON
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as error:
+        raise UserError(f"{path}:{error.lineno}: not valid JSON: {error.msg}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from runner_contracts import AnyPlan, DomainPlan, Plan
+from runner_contracts import AnyPlan, DomainPlan
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 

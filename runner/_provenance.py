@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from qualification.tasks import FamilyError, get_family, source_of
-from runner_contracts import AnyPlan, DomainPlan, Plan, Provenance
+from runner_contracts import AnyPlan, DomainPlan, Provenance
 
 from ._paths import PROJECT_ROOT
 

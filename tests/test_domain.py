@@ -137,3 +137,18 @@ def test_mace_qualifies_on_its_cpu_plan_with_native_metrics_and_a_bit_identical_
     assert {g["name"]: g["passed"] for g in probe["gates"]}["probe:no-foreign-packages"]
     report = (run_dir / "report.md").read_text()
     assert "## Native metrics" in report and "The data is synthetic" in report
+
+
+def test_a_domain_arm_renders_as_a_slurm_job_whose_frozen_plan_reads_back_to_the_same_id(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("qualify", "--stack", "mace", "--plan", str(MACE_PLAN), "--executor", "slurm", "--cluster",
+                     str(ROOT / "clusters" / "example-h100.toml"), "--dry-run", "--run-dir", str(run_dir), "--json")
+    assert result.returncode == 0, result.stderr
+    script = (run_dir / "slurm" / "mace.sbatch").read_text()
+    assert f"qualify --stack mace --plan {run_dir / 'plan.json'}" in script
+    frozen = json.loads((run_dir / "plan.json").read_text())
+    assert frozen["contract"] == "domain-plan" and frozen["gates"]["metric_tolerance"] == 1e-06
+    from runner._plan import load_plan
+    from runner._policy import resolve_policy
+
+    assert resolve_policy(load_plan(run_dir / "plan.json"), None).plan_id == frozen["plan_id"]
