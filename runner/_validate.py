@@ -47,16 +47,14 @@ class _Contract(msgspec.Struct):
 
 
 def detect_type(path: Path) -> type[Record] | None:
-    stem = path.name.split(".", 1)[0]
-    if stem in _BY_NAME:
-        return _BY_NAME[stem]
+    """The record type a file's first record names (its `contract`), else the one its name says."""
     try:
         with open(path, "rb") as handle:
             first = handle.readline() if path.suffix == ".jsonl" or ".jsonl" in path.name else handle.read()
         name = msgspec.json.decode(first, type=_Contract).contract
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return RECORD_TYPES.get(name or "")
+        name = None
+    return RECORD_TYPES.get(name or "") or _BY_NAME.get(path.name.split(".", 1)[0])
 
 
 class SeenIds:

@@ -137,6 +137,11 @@ def test_mace_qualifies_on_its_cpu_plan_with_native_metrics_and_a_bit_identical_
     assert {g["name"]: g["passed"] for g in probe["gates"]}["probe:no-foreign-packages"]
     report = (run_dir / "report.md").read_text()
     assert "## Native metrics" in report and "The data is synthetic" in report
+    files = [run_dir / "plan.json", run_dir / "data" / "data.jsonl", run_dir / "stages" / "train" / "steps.jsonl",
+             run_dir / "stages" / "evaluate" / "predictions.jsonl", run_dir / "stages" / "evaluate" / "metrics.jsonl"]
+    validated = run_cli("validate", *map(str, files), "--json")
+    assert validated.returncode == 0 and [r["contract"] for r in json.loads(validated.stdout)] == [
+        "DomainPlan", "DataSplit", "DomainStep", "DomainPrediction", "NativeMetric"], validated.stdout
 
 
 def test_a_domain_arm_renders_as_a_slurm_job_whose_frozen_plan_reads_back_to_the_same_id(tmp_path):
