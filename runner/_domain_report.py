@@ -4,6 +4,7 @@ their intervals, base against trained, from each run's evidence only."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -11,7 +12,9 @@ from rich.table import Table
 
 from runner_contracts import DomainPlan, Evidence
 
+from ._errors import UserError
 from ._html import CSS, SCRIPT, _e, _short, comparison_table, gate_details, gate_matrix, line_chart
+from ._secrets import write_redacted
 
 SYNTHETIC = ("The data is synthetic: made locally by the stack's own recipe (stage service, metrics.data), never "
              "downloaded; its figures qualify the machinery and the native protocol, not a model for real materials "
@@ -160,3 +163,22 @@ def domain_html(title: str, arms: list[tuple[str, DomainPlan, list[Evidence], di
                     + "".join(gate_details(name, evidence) for name, _, evidence, _ in arms))
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
             f"<style>{CSS}</style></head><body>{''.join(sections)}<script>{SCRIPT}</script></body></html>\n")
+
+
+def write_side_by_side(run_dir: Path, others: list[Path]) -> tuple[Path, list[dict[str, Any]]]:
+    """side-by-side.html in `run_dir`: it and `others`, domain runs of one stack, each named by its folder."""
+    from ._report import load_run, load_trials
+
+    arms = []
+    for folder in [run_dir, *others]:
+        plan, evidence = load_run(folder)
+        if not isinstance(plan, DomainPlan):
+            raise UserError(f"{folder}: --beside sets domain runs side by side; this is a language-model run "
+                            "(compare those with `runner compare`)")
+        arms.append((folder.name, plan, evidence, domain_summary(plan, evidence, load_trials(folder, plan))))
+    stacks = sorted({plan.domain for _, plan, _, _ in arms})
+    if len(stacks) > 1:
+        raise UserError(f"--beside: runs of one domain stack only, got {', '.join(stacks)}")
+    path = run_dir / "side-by-side.html"
+    write_redacted(path, domain_html(f"{stacks[0]}: {', '.join(name for name, *_ in arms)}", arms))
+    return path, [{"run": name, **data} for name, _, _, data in arms]

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from .._compare import write_comparison
+from .._domain_report import write_side_by_side
 from .._executors.slurm import arm_order
 from .._report import gate_table, load_run, write_report
 from ._common import cli_errors, console, print_json
@@ -16,10 +17,22 @@ from ._common import cli_errors, console, print_json
 def report(
     run_dir: Path = typer.Argument(..., help="A run directory written by `runner qualify`, or a comparison "
                                             "directory written by `runner compare` (it has arms/)."),
+    beside: list[Path] = typer.Option([], "--beside", help="Domain runs only: other runs of the same domain stack "
+                                                           "(two model sizes, two pins) to set side by side with this "
+                                                           "one in <RUN_DIR>/side-by-side.html. Repeatable."),
     json_output: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Rebuild the report of a run from its plan.json and per-stage evidence.json files; for a comparison,
-    every arm's report and comparison.json, comparison.md and report.html."""
+    every arm's report and comparison.json, comparison.md and report.html. With --beside, a domain run's native
+    metrics, gates and training curves next to other domain runs' on one page."""
+    if beside:
+        with cli_errors():
+            path, rows = write_side_by_side(run_dir, beside)
+        if json_output:
+            print_json(rows)
+        else:
+            console.print(f"side by side: {path}", highlight=False)
+        return
     if (run_dir / "arms").is_dir():
         with cli_errors():
             stacks = sorted(path.parent.name for path in (run_dir / "arms").glob("*/plan.json"))
