@@ -70,7 +70,8 @@ def native_rows(data: dict[str, Any]) -> list[list[str]]:
         difference = ("–" if row["difference"] is None else f"{row['difference']:+.4g}"
                       + (f" [{low:+.4g}, {high:+.4g}]" if low is not None else ""))
         mark = " (headline)" if name == data.get("headline") else ""
-        rows.append([f"{name}{mark}, {row['direction']} is better", _value(row["base"]), _value(row["trained"]),
+        unit = f" ({row['unit']})" if row.get("unit") else ""
+        rows.append([f"{name}{unit}{mark}, {row['direction']} is better", _value(row["base"]), _value(row["trained"]),
                      difference + (f", p={row['p_value']:.3g}" if "p_value" in row else ""), row["verdict"]])
     return rows
 

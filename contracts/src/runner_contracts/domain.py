@@ -138,6 +138,7 @@ class NativeMetric(Record, kw_only=True):
     recompute: Recompute
     data_sha256: Sha256
     expected: float | None = None
+    unit: str = ""  # eV/atom, eV/A; empty for a ratio
 
 
 DOMAIN_RECORD_TYPES: dict[str, type[Record]] = {

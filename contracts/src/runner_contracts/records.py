@@ -8,6 +8,8 @@ import msgspec
 
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
 LogProb = Annotated[float, msgspec.Meta(le=0.0)]
+# Float bounds are written as ints (gt=0): typing caches Annotated[float, Meta(gt=0)] and [..., Meta(gt=0.0)] as one
+# (they compare equal), so mixing them made the generated schemas depend on import order.
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 # How the policy writes tool calls in its completions (vLLM's --tool-call-parser names); runner_kit.tool_formats.
@@ -128,7 +130,7 @@ class RewardSpec(Record, kw_only=True):
 
 
 class SamplingSpec(Record, kw_only=True):
-    temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    temperature: Annotated[float, msgspec.Meta(gt=0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: NonNegInt = 0
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 48

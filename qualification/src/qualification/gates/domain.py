@@ -170,7 +170,7 @@ def compare_models(name: str, direction: str, base: list[DomainPrediction], trai
     better = (lambda d: d < 0) if direction == "lower" else (lambda d: d > 0)
     verdict = ("inconclusive" if low is None or difference is None or low <= 0 <= high else
                "improved" if better(difference) else "regressed")
-    row = {"metric": name, "direction": direction, "items": n, "computed_by": metric.computed_by,
+    row = {"metric": name, "direction": direction, "unit": metric.unit, "items": n, "computed_by": metric.computed_by,
            "base": {"value": point[0], "interval": interval(samples[:, 0])},
            "trained": {"value": point[1], "interval": interval(samples[:, 1])},
            "difference": difference, "difference_interval": [low, high], "verdict": verdict,

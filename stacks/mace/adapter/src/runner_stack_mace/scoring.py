@@ -84,10 +84,10 @@ def score(model: torch.nn.Module, split_path: Path, data_sha256: str, label: str
             "e_above_hull_true": float(structure.info["e_above_hull"]), "e_above_hull_pred": float(predicted)}))
     common = dict(model=label, split=split, items=len(predictions), data_sha256=data_sha256)
     metrics = [
-        NativeMetric(name="energy_mae_per_atom", value=float(native["mae_e_per_atom"]), direction="lower",
+        NativeMetric(name="energy_mae_per_atom", value=float(native["mae_e_per_atom"]), direction="lower", unit="eV/atom",
                      computed_by="mace.tools.train.evaluate (mae_e_per_atom)",
                      recompute={"kind": "mean", "key": "energy_abs_error_per_atom"}, **common),
-        NativeMetric(name="force_mae", value=float(native["mae_f"]), direction="lower",
+        NativeMetric(name="force_mae", value=float(native["mae_f"]), direction="lower", unit="eV/A",
                      computed_by="mace.tools.train.evaluate (mae_f)",
                      recompute={"kind": "mean", "key": "force_mae", "weight": "force_components"}, **common),
     ]
