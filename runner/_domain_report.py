@@ -13,7 +13,7 @@ from rich.table import Table
 from runner_contracts import DomainPlan, Evidence
 
 from ._errors import UserError
-from ._html import CSS, SCRIPT, _e, _short, comparison_table, gate_details, gate_matrix, line_chart
+from ._html import CSS, SCRIPT, _e, comparison_table, gate_details, gate_markdown, gate_matrix, line_chart
 from ._secrets import write_redacted
 
 SYNTHETIC = ("The data is synthetic: made locally by the stack's own recipe (stage service, metrics.data), never "
@@ -118,15 +118,7 @@ def domain_markdown(plan: DomainPlan, evidence: list[Evidence], data: dict[str, 
     if data.get("loss_per_step"):
         lines += ["", "## Training loss per step", "", "| step | loss |", "|---|---|"]
         lines += [f"| {step} | {loss:.6g} |" for step, loss in data["loss_per_step"].items()]
-    lines += ["", "## Gates", "", "| stage | status | gate | passed | measured | threshold | detail |",
-              "|---|---|---|---|---|---|---|"]
-    for record in evidence:
-        if not record.gates:
-            lines.append(f"| {record.stage} | {record.status} | | | | | {record.error.message if record.error else ''} |")
-        for gate in record.gates:
-            detail = gate.detail.replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {record.stage} | {record.status} | {gate.name} | {'yes' if gate.passed else 'NO'} | "
-                         f"{_short(gate.measured)} | {_short(gate.threshold)} | {detail} |")
+    lines += ["", "## Gates", "", *gate_markdown(evidence)]
     return "\n".join(lines) + "\n"
 
 

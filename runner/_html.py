@@ -55,6 +55,19 @@ def measured_cell(gate: GateResult, short: Callable[[Any], str] = _short) -> str
     return f"{cell} (adapter's report)" if gate.reported_by == "adapter" else cell
 
 
+def gate_markdown(evidence: list[Evidence], short: Callable[[Any], str] = _short) -> list[str]:
+    """The markdown table of every stage's gates (a stage without gates: its status and error)."""
+    lines = ["| stage | status | gate | passed | measured | threshold | detail |", "|---|---|---|---|---|---|---|"]
+    for record in evidence:
+        if not record.gates:
+            lines.append(f"| {record.stage} | {record.status} | | | | | {record.error.message if record.error else ''} |")
+        for gate in record.gates:
+            detail = gate.detail.replace("|", "\\|").replace("\n", " ")
+            lines.append(f"| {record.stage} | {record.status} | {gate.name} | {'yes' if gate.passed else 'NO'} | "
+                         f"{measured_cell(gate, short)} | {short(gate.threshold)} | {detail} |")
+    return lines
+
+
 def _duration(evidence: Evidence) -> float:
     try:
         return (dt.datetime.fromisoformat(evidence.finished_at) - dt.datetime.fromisoformat(evidence.started_at)).total_seconds()

@@ -45,8 +45,7 @@ def load_plan(path: Path, log: Callable[[str], None] = lambda message: None) -> 
 
 
 def _domain_plan(path: Path, data: dict, root) -> DomainPlan:
-    plan = convert_yaml({key: value for key, value in data.items() if key != "contract"}, root, DomainPlan, path,
-                        "(plan)")
+    plan = convert_yaml(data, root, DomainPlan, path, "(plan)")
     manifest = all_stacks().get(plan.domain)
     if manifest is None or manifest.kind != "domain":
         known = sorted(name for name, m in all_stacks().items() if m.kind == "domain")

@@ -15,7 +15,7 @@ from runner_contracts import AnyPlan, DomainPlan, Evidence, Plan, read_record
 
 from ._domain_report import domain_html, domain_markdown, domain_summary
 from ._errors import UserError
-from ._html import measured_cell
+from ._html import gate_markdown, measured_cell
 from ._html import render as render_html
 from ._secrets import write_redacted
 from ._stages import STAGES, TRIAL_STAGES, trial_dir
@@ -212,16 +212,8 @@ def markdown(plan: Plan, evidence: list[Evidence], data: dict[str, Any]) -> str:
         "",
         "## Gates",
         "",
-        "| stage | status | gate | passed | measured | threshold | detail |",
-        "|---|---|---|---|---|---|---|",
+        *gate_markdown(evidence, _short),
     ]
-    for record in evidence:
-        if not record.gates:
-            lines.append(f"| {record.stage} | {record.status} | | | | | {record.error.message if record.error else ''} |")
-        for gate in record.gates:
-            detail = gate.detail.replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {record.stage} | {record.status} | {gate.name} | {'yes' if gate.passed else 'NO'} | "
-                         f"{measured_cell(gate, _short)} | {_short(gate.threshold)} | {detail} |")
     if data.get("reward_per_step"):
         lines += ["", "## Mean reward per training step", "", "| step | mean reward |", "|---|---|"]
         lines += [f"| {step} | {reward:.3f} |" for step, reward in data["reward_per_step"].items()]

@@ -6,7 +6,6 @@ metric from the per-item predictions and compares base and trained with bootstra
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from qualification.gates import checkpoint_revisions, latest_complete_checkpoint
@@ -16,7 +15,6 @@ from runner_contracts import (
     METRICS_FILE,
     PREDICTIONS_FILE,
     STEPS_FILE,
-    Checkpoint,
     DataSplit,
     DomainPlan,
     DomainPrediction,
@@ -31,6 +29,7 @@ from runner_contracts import (
 from .arm import Arm, StageOutput, read_any, run_adapter
 from .probe import stage_probe
 from .resume import last_complete_checkpoint
+from .training import as_requeue, training_output
 
 
 def _plan(arm: Arm) -> DomainPlan:
@@ -100,12 +99,7 @@ def _training(arm: Arm, stage: str, steps: int) -> StageOutput:
     if stage in arm.interrupted:
         requeue, metrics["requeue"] = _resumed_after_interruption(arm, stage, out, steps, revisions)
         gates += requeue
-    if stage == "update" and all(g.passed for g in gates):
-        arm.first_update_s = time.monotonic() - arm.started
-        metrics["time_to_first_reproducible_update_s"] = round(arm.first_update_s, 2)
-    checkpoints = [Checkpoint(step=step, path=str((out / "checkpoints" / f"checkpoint-{step}").relative_to(arm.run_dir)),
-                              sha256=digest) for step, digest in sorted(revisions.items())]
-    return StageOutput(gates=gates, metrics=metrics, checkpoints=checkpoints)
+    return training_output(arm, stage, out, gates, metrics, revisions)
 
 
 def _resumed_after_interruption(arm: Arm, stage: str, out: Path, steps: int,
@@ -121,8 +115,7 @@ def _resumed_after_interruption(arm: Arm, stage: str, out: Path, steps: int,
     gates = replay_gates(read_jsonl(out / STEPS_FILE, DomainStep), read_any(attempt, STEPS_FILE, DomainStep),
                          read_any(resumed, STEPS_FILE, DomainStep), int(checkpoint.name.split("-")[1]),
                          revisions.get(steps), checkpoint_revisions(resumed / "checkpoints")[0].get(steps))
-    return ([GateResult(**{**{f: getattr(g, f) for f in g.__struct_fields__}, "name": g.name.replace("resume:", "requeue:")})
-             for g in gates], {"attempt": attempt.name, "resumed_from": checkpoint.name})
+    return as_requeue(gates), {"attempt": attempt.name, "resumed_from": checkpoint.name}
 
 
 def stage_update(arm: Arm) -> StageOutput:

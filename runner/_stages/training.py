@@ -41,15 +41,27 @@ def _training_stage(arm: Arm, stage: str, steps: int, *, signal: bool) -> StageO
     losses = [float(x) for x in (reported(result, "loss", metrics) or []) if x is not None]
     gates += update_gates(losses, steps, arm.plan.policy.sha256 or "", revisions, incomplete)
     metrics.update(loss=losses, steps=steps)
-    checkpoints = [Checkpoint(step=step, path=str((out / "checkpoints" / f"checkpoint-{step}").relative_to(arm.run_dir)),
-                              sha256=digest) for step, digest in sorted(revisions.items())]
     if stage in arm.interrupted:
         requeue_gates, metrics["requeue"] = _resumed_after_interruption(arm, stage, out, steps, revisions)
         gates += requeue_gates
+    return training_output(arm, stage, out, gates, metrics, revisions)
+
+
+def training_output(arm: Arm, stage: str, out: Path, gates: list[GateResult], metrics: dict,
+                    revisions: dict[int, str]) -> StageOutput:
+    """A training stage's output: its complete checkpoints, and for an update whose gates all passed, the time
+    to the arm's first reproducible update."""
     if stage == "update" and all(g.passed for g in gates):
         arm.first_update_s = time.monotonic() - arm.started
         metrics["time_to_first_reproducible_update_s"] = round(arm.first_update_s, 2)
+    checkpoints = [Checkpoint(step=step, path=str((out / "checkpoints" / f"checkpoint-{step}").relative_to(arm.run_dir)),
+                              sha256=digest) for step, digest in sorted(revisions.items())]
     return StageOutput(metrics=metrics, gates=gates, checkpoints=checkpoints)
+
+
+def as_requeue(gates: list[GateResult]) -> list[GateResult]:
+    """Resume gates renamed for a requeued stage's boundary (resume:x -> requeue:x)."""
+    return [msgspec.structs.replace(g, name=g.name.replace("resume:", "requeue:", 1)) for g in gates]
 
 
 def _resumed_after_interruption(arm: Arm, stage: str, out: Path, steps: int,
@@ -68,8 +80,7 @@ def _resumed_after_interruption(arm: Arm, stage: str, out: Path, steps: int,
     run_adapter(arm, stage, resumed, steps=steps, resume_from=checkpoint)
     gates, _ = replay_gates(out, attempt, resumed, checkpoint, steps, revisions.get(steps), incomplete,
                             sft=arm.plan.recipe in ("sft", "distill"))
-    gates = [msgspec.structs.replace(g, name=g.name.replace("resume:", "requeue:", 1)) for g in gates]
-    return gates, {"attempt": attempt.name, "resumed_from": checkpoint.name}
+    return as_requeue(gates), {"attempt": attempt.name, "resumed_from": checkpoint.name}
 
 
 def stage_update(arm: Arm) -> StageOutput:
