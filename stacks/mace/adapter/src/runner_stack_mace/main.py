@@ -10,11 +10,12 @@ evaluate  the base (initial weights) and the trained checkpoint scored natively 
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
+import msgspec
 import torch
+from ase.io import read
 
 from runner_contracts import (
     DATA_MANIFEST,
@@ -23,7 +24,6 @@ from runner_contracts import (
     DataSplit,
     DomainPlan,
     JsonlWriter,
-    NativeMetric,
     StageRequest,
     StageResult,
     read_jsonl,
@@ -72,7 +72,7 @@ def _service(plan: DomainPlan, data_dir: Path, heldout: DataSplit, out: Path) ->
     exactly the offsets, and calls stable every item within 0.1 eV/atom of the hull: recall 1, and precision
     and accuracy as counted here from the true distances."""
     record = training.construction_record(plan, data_dir / "train.xyz")
-    true = [float(atoms.info["e_above_hull"]) for atoms in training.read(data_dir / heldout.path, index=":")]
+    true = [float(atoms.info["e_above_hull"]) for atoms in read(data_dir / heldout.path, index=":")]
     stable, called = sum(e <= 0 for e in true), sum(e + ENERGY_OFFSET <= 0 for e in true)
     precision = stable / called
     expected = {"perfect": {"energy_mae_per_atom": 0.0, "force_mae": 0.0, "stability_f1": 1.0,
@@ -89,15 +89,10 @@ def _write_scores(stage: str, out: Path, models, data_dir: Path, split: DataSpli
                   expected: dict[str, dict[str, float]] | None = None) -> StageResult:
     with JsonlWriter(out / PREDICTIONS_FILE) as predictions, JsonlWriter(out / METRICS_FILE) as metrics:
         for label, model, record in models:
-            loss_fn = training.modules.WeightedEnergyForcesLoss(
-                energy_weight=record["options"]["energy_weight"], forces_weight=record["options"]["forces_weight"])
             items, scores = scoring.score(model, data_dir / split.path, split.sha256, label, record["zs"],
-                                          record["options"]["r_max"], loss_fn)
+                                          record["options"]["r_max"], training.loss_function(record))
             for item in items:
                 predictions.write(item)
             for metric in scores:
-                value = metric.value if metric.value is not None and math.isfinite(metric.value) else None
-                wanted = (expected or {}).get(label, {}).get(metric.name)
-                metrics.write(NativeMetric(**{**{f: getattr(metric, f) for f in metric.__struct_fields__},
-                                              "value": value, "expected": wanted}))
+                metrics.write(msgspec.structs.replace(metric, expected=(expected or {}).get(label, {}).get(metric.name)))
     return StageResult(stage=stage, files={"predictions": PREDICTIONS_FILE, "metrics": METRICS_FILE})

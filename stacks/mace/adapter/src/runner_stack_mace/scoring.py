@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import math
 import sys
 import types
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from mace import tools
 from mace.tools.torch_geometric.dataloader import DataLoader
 from mace.tools.train import evaluate
 
@@ -56,23 +58,27 @@ class StandIn(torch.nn.Module):
         return {"energy": data["energy"] + self.energy_offset * atoms, "forces": data["forces"] + self.force_offset}
 
 
+def _defined(value) -> float | None:
+    return float(value) if value is not None and math.isfinite(value) else None
+
+
 def score(model: torch.nn.Module, split_path: Path, data_sha256: str, label: str, record_zs: list[int],
           r_max: float, loss_fn: torch.nn.Module) -> tuple[list[DomainPrediction], list[NativeMetric]]:
     """Per-item predictions and native metrics of `model` on a split. A classification metric upstream cannot
     compute (stable_metrics divides by zero when no item is predicted stable, or none correctly) is None."""
-    from mace import tools
-
-    atoms, dataset, _ = load_split(split_path, r_max, tools.AtomicNumberTable(record_zs))
+    atoms, _, dataset, _ = load_split(split_path, r_max, tools.AtomicNumberTable(record_zs))
     split = split_path.stem
     model.eval()
     loader = DataLoader(dataset, batch_size=16, shuffle=False)
     _, native = evaluate(model, loss_fn, loader, OUTPUTS, torch.device("cpu"))
+    energies, forces_per_item = [], []  # the same batches again, split per structure
+    for batch in loader:
+        output = model(batch.to_dict(), training=False, compute_force=True)
+        energies += output["energy"].detach().tolist()
+        forces_per_item += np.split(output["forces"].detach().numpy(), batch.ptr[1:-1].tolist())
     predictions, true_hull, pred_hull = [], [], []
-    for structure, item in zip(atoms, DataLoader(dataset, batch_size=1, shuffle=False)):
-        output = model(item.to_dict(), training=False, compute_force=True)
+    for structure, energy, forces in zip(atoms, energies, forces_per_item):
         n = len(structure)
-        energy = float(output["energy"].detach()[0])
-        forces = output["forces"].detach().numpy()
         e_form = (energy - structure.info["reference_energy"]) / n
         predicted = e_form - structure.info["hull_e_form_per_atom"]
         true_hull.append(structure.info["e_above_hull"])
@@ -95,7 +101,7 @@ def score(model: torch.nn.Module, split_path: Path, data_sha256: str, label: str
         stable = matbench_metrics().stable_metrics(pd.Series(true_hull), pd.Series(pred_hull), stability_threshold=0)
     except ZeroDivisionError:
         stable = {}
-    metrics += [NativeMetric(name=f"stability_{name.lower()}", value=stable.get(name), direction="higher",
+    metrics += [NativeMetric(name=f"stability_{name.lower()}", value=_defined(stable.get(name)), direction="higher",
                              computed_by=f"matbench_discovery.metrics.stable_metrics ({name})",
                              recompute={"kind": "stability", "metric": name, "true": "e_above_hull_true",
                                         "pred": "e_above_hull_pred", "threshold": 0.0}, **common)

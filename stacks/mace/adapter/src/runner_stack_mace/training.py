@@ -37,11 +37,16 @@ def model_options(plan: DomainPlan) -> dict[str, Any]:
 
 
 def load_split(path: Path, r_max: float, z_table=None):
-    """(atoms, AtomicData list, atomic number table) of one split file."""
+    """(atoms, configurations, AtomicData list, atomic number table) of one split file."""
     atoms = read(path, index=":", format="extxyz")
     configs = mace_data.config_from_atoms_list(atoms, key_specification=KEYS)
     z_table = z_table or tools.get_atomic_number_table_from_zs(sorted({int(z) for c in configs for z in c.atomic_numbers}))
-    return atoms, [mace_data.AtomicData.from_config(c, z_table=z_table, cutoff=r_max) for c in configs], z_table
+    return atoms, configs, [mace_data.AtomicData.from_config(c, z_table=z_table, cutoff=r_max) for c in configs], z_table
+
+
+def loss_function(record: dict[str, Any]) -> torch.nn.Module:
+    return modules.WeightedEnergyForcesLoss(energy_weight=record["options"]["energy_weight"],
+                                            forces_weight=record["options"]["forces_weight"])
 
 
 def build(record: dict[str, Any]) -> torch.nn.Module:
@@ -62,8 +67,7 @@ def build(record: dict[str, Any]) -> torch.nn.Module:
 def construction_record(plan: DomainPlan, train_path: Path) -> dict[str, Any]:
     """What build() needs, from the training split: E0s by least squares, neighbour count, energy scale."""
     options = model_options(plan)
-    atoms, dataset, z_table = load_split(train_path, options["r_max"])
-    configs = mace_data.config_from_atoms_list(atoms, key_specification=KEYS)
+    _, configs, dataset, z_table = load_split(train_path, options["r_max"])
     e0s = mace_data.compute_average_E0s(configs, z_table)
     energies = np.array([e0s[z] for z in z_table.zs])
     loader = DataLoader(dataset, batch_size=len(dataset), shuffle=False)
@@ -108,13 +112,12 @@ def train(plan: DomainPlan, data_dir: Path, out: Path, steps: int, resume_from: 
         model, record = initial_model(plan, data_dir / "train.xyz")
         save(out / "initial", model, record)
         start = 0
-    _, dataset, _ = load_split(data_dir / "train.xyz", record["options"]["r_max"],
+    _, _, dataset, _ = load_split(data_dir / "train.xyz", record["options"]["r_max"],
                                tools.AtomicNumberTable(record["zs"]))
     optimizer = torch.optim.Adam(model.parameters(), lr=plan.budget.learning_rate, amsgrad=True)
     if resume_from is not None:
         optimizer.load_state_dict(torch.load(resume_from / "optimizer.pt"))
-    loss_fn = modules.WeightedEnergyForcesLoss(energy_weight=record["options"]["energy_weight"],
-                                               forces_weight=record["options"]["forces_weight"])
+    loss_fn = loss_function(record)
     losses = []
     with JsonlWriter(out / STEPS_FILE) as writer:
         for step in range(start + 1, steps + 1):
