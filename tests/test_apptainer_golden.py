@@ -118,3 +118,19 @@ def test_inputs_reached_through_a_symlink_are_mounted_at_the_name_the_job_uses(t
                            options={"trained_policy": str(run_dir / "stages" / "train" / "c")})
     # the linked name, not the resolved one; the run directory's own input is mounted with the run directory
     assert read_only_inputs(request, request.stack, outside=run_dir) == [linked]
+
+
+def test_a_distillation_teachers_policy_is_an_input_every_job_can_read(tmp_path):
+    """The distill stage's teacher lives in the policy cache like the student; a sandbox or container that
+    mounts only the student's path fails to load it (found with a cache under /tmp, which the sandbox hides)."""
+    from runner._engines.jobs import read_only_inputs
+    from runner.api import load_plan
+
+    plan = load_plan(Path(__file__).resolve().parents[1] / "qualification" / "plans" / "calc-tool-distill-cpu.yaml")
+    teacher = tmp_path / "cache" / "policies" / "teacher"
+    plan = msgspec.structs.replace(plan, distill=msgspec.structs.replace(
+        plan.distill, teacher=msgspec.structs.replace(plan.distill.teacher, path=str(teacher))))
+    request = StageRequest(run_id="r", stack="trl", stage="distill", plan=plan, out_dir=str(tmp_path / "run" / "s"),
+                           policy_dir=str(tmp_path / "cache" / "policies" / "student"))
+    assert read_only_inputs(request, request.stack, outside=tmp_path / "run") == [
+        tmp_path / "cache" / "policies" / "student", teacher]

@@ -103,7 +103,8 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def read_only_inputs(request: StageRequest, stack: str, *, outside: Path | None = None) -> list[Path]:
-    """Host paths a job reads: the policy, a checkpoint to resume from, a trained policy to evaluate, the
+    """Host paths a job reads: the policy (and a distillation teacher), a checkpoint to resume from, a trained
+    policy or matched baseline to evaluate, the
     plan's built task packages and its built native asset (whose data every job reads; only `stack`'s own
     jobs import it); with `outside`, only those not under that folder (the run directory, mounted writable
     anyway). The paths are the ones the request names, made absolute but not resolved:
@@ -116,8 +117,10 @@ def read_only_inputs(request: StageRequest, stack: str, *, outside: Path | None 
         paths.append(native)
     if request.resume_from:
         paths.append(Path(request.resume_from))
-    if request.options.get("trained_policy"):
-        paths.append(Path(request.options["trained_policy"]))
+    paths += [Path(request.options[key]) for key in ("trained_policy", "baseline_policy") if request.options.get(key)]
+    teacher = getattr(getattr(request.plan, "distill", None), "teacher", None)
+    if teacher is not None and teacher.path:  # the distill stage's teacher, a policy like the plan's own
+        paths.append(Path(teacher.path))
     given = [Path(os.path.abspath(path)) for path in paths]
     if outside is None:
         return given
