@@ -1,5 +1,5 @@
 """Domain stacks (runner_contracts.domain): the host's audits of a domain stage's files, the domain plan's errors,
-and, opt-in, the mace stack qualified end to end on its own CPU plan."""
+and, opt-in, the mace and lerobot stacks qualified end to end on their own CPU plans."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qualification.gates.domain import case_gates, compare_models, recompute, replay_gates
-from runner_contracts import DomainPrediction, DomainStep, NativeMetric
+from qualification.gates.domain import case_gates, compare_models, data_gates, recompute, replay_gates
+from runner_contracts import DataSplit, DomainPrediction, DomainStep, NativeMetric, sha256_path
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNNER = str(Path(sys.executable).parent / "runner")
 MACE_PLAN = ROOT / "stacks" / "mace" / "plans" / "cpu.yaml"
+LEROBOT_PLAN = ROOT / "stacks" / "lerobot" / "plans" / "cpu.yaml"
 SHA = "a" * 64
 
 
@@ -68,8 +69,33 @@ def test_known_cases_fail_a_scorer_that_does_not_score_as_it_must():
     wrong = case_gates([metric("mae", mean, 0.0, model="perfect"), metric("mae", mean, 0.12, model="broken",
                                                                           expected=0.1)], 1e-6)[0]
     assert not wrong.passed and "broken mae: 0.12 (must be 0.1)" in wrong.detail
-    not_ideal = case_gates([metric("f1", mean, 0.9, model="perfect", direction="higher"), good[1]], 1e-6)[0]
+    f1 = {"kind": "stability", "metric": "F1", "true": "t", "pred": "p"}
+    not_ideal = case_gates([metric("f1", f1, 0.9, model="perfect", direction="higher"), good[1]], 1e-6)[0]
     assert not not_ideal.passed and "perfect f1" in not_ideal.detail
+    rate, ret = {"kind": "rate", "key": "success"}, {"kind": "mean", "key": "sum_reward"}
+    rollouts = [metric("success_rate", rate, 1.0, model="perfect", direction="higher", expected=1.0),
+                metric("mean_return", ret, -6.52, model="perfect", direction="higher", expected=-6.52),
+                metric("success_rate", rate, 0.0, model="broken", direction="higher", expected=0.0)]
+    assert case_gates(rollouts, 1e-6)[0].passed, "a return has no ideal value: only the expected one is checked"
+    short = case_gates([metric("success_rate", rate, 0.97, model="perfect", direction="higher"), *rollouts[1:]], 1e-6)[0]
+    assert not short.passed and "perfect success_rate: 0.97" in short.detail
+
+
+def test_a_split_may_be_a_dataset_folder_hashed_file_by_file(tmp_path):
+    """A LeRobot dataset is a folder (parquet files and meta/): its sha256 covers every file's path and bytes."""
+    dataset = tmp_path / "train"
+    (dataset / "meta").mkdir(parents=True)
+    (dataset / "meta" / "info.json").write_text('{"fps": 50}')
+    (dataset / "data.parquet").write_bytes(b"PAR1")
+    manifest = [DataSplit(split="train", path="train", items=2, sha256=sha256_path(dataset), generator="test")]
+    gates, hashes = data_gates("service", manifest, tmp_path)
+    assert gates[0].passed and hashes == {"train": manifest[0].sha256}
+    (dataset / "meta" / "info.json").rename(dataset / "info.json")  # same bytes, another place
+    assert not data_gates("service", manifest, tmp_path)[0][0].passed
+    (dataset / "info.json").rename(dataset / "meta" / "info.json")
+    (dataset / "data.parquet").write_bytes(b"PAR2")
+    moved = data_gates("service", manifest, tmp_path)[0][0]
+    assert not moved.passed and "['train']" in moved.detail
 
 
 def test_base_against_trained_reads_the_paired_interval_in_the_metrics_direction():
@@ -85,8 +111,8 @@ def test_base_against_trained_reads_the_paired_interval_in_the_metrics_direction
         == "inconclusive"
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([RUNNER, *args], capture_output=True, text=True, timeout=300)
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([RUNNER, *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_a_domain_plan_and_a_stack_must_go_together(tmp_path):
@@ -97,7 +123,8 @@ def test_a_domain_plan_and_a_stack_must_go_together(tmp_path):
     assert wrong_plan.returncode == 2 and "the mace stack is a domain stack" in wrong_plan.stderr
     assert "Traceback" not in wrong_stack.stderr + wrong_plan.stderr
     listed = json.loads(run_cli("stacks", "list", "--json").stdout)
-    assert {row["name"]: row["kind"] for row in listed}["mace"] == "domain"
+    assert {row["name"]: row["kind"] for row in listed if row["name"] in ("mace", "lerobot")} == \
+        {"mace": "domain", "lerobot": "domain"}
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -116,6 +143,20 @@ def test_a_bad_domain_plan_is_named_by_file_line_and_field(tmp_path, change, mes
     assert not (tmp_path / "run" / "stages").exists()
 
 
+def qualified_on_every_stage(stack: str, plan: Path, run_dir: Path) -> dict:
+    """`runner qualify` on every stage: its JSON summary, once every gate passed, the resume replayed bit for bit
+    and the probe found no other stack's upstream in the environment."""
+    result = run_cli("qualify", "--stack", stack, "--plan", str(plan), "--run-dir", str(run_dir), "--json",
+                     timeout=1800)  # with the environment's build, cold
+    summary = json.loads(result.stdout)
+    assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}"
+    assert summary["stages"] == dict.fromkeys(["probe", "service", "update", "resume", "train", "evaluate"], "passed")
+    gates = {g["name"]: g["passed"] for stage in ("probe", "resume")
+             for g in json.loads((run_dir / "stages" / stage / "evidence.json").read_text())["gates"]}
+    assert gates["resume:same-final-weights"] and gates["probe:no-foreign-packages"]
+    return summary
+
+
 @pytest.mark.slow
 def test_mace_qualifies_on_its_cpu_plan_with_native_metrics_and_a_bit_identical_resume(tmp_path):
     """The mace stack's own CPU plan, every stage, in its own environment (mace-torch on CPU torch)."""
@@ -124,18 +165,11 @@ def test_mace_qualifies_on_its_cpu_plan_with_native_metrics_and_a_bit_identical_
                     "~1.5 GB, ~1 min cold) and qualifies it on its CPU plan (~3 min on 2 cores): more than CI's "
                     "60-minute budget holds; the suite checks the domain gates, plans and reports without it")
     run_dir = tmp_path / "run"
-    result = run_cli("qualify", "--stack", "mace", "--plan", str(MACE_PLAN), "--run-dir", str(run_dir), "--json")
-    summary = json.loads(result.stdout)
-    assert result.returncode == 0, f"{summary['failed_gates']} {summary['errors']}"
-    assert summary["stages"] == dict.fromkeys(["probe", "service", "update", "resume", "train", "evaluate"], "passed")
-    resume = json.loads((run_dir / "stages" / "resume" / "evidence.json").read_text())
-    assert {g["name"]: g["passed"] for g in resume["gates"]}["resume:same-final-weights"]
+    summary = qualified_on_every_stage("mace", MACE_PLAN, run_dir)
     native = summary["native"]
     assert {"energy_mae_per_atom", "force_mae", "stability_f1"} <= set(native)
     headline = native["energy_mae_per_atom"]
     assert headline["trained"]["interval"][0] <= headline["trained"]["value"] <= headline["trained"]["interval"][1]
-    probe = json.loads((run_dir / "stages" / "probe" / "evidence.json").read_text())
-    assert {g["name"]: g["passed"] for g in probe["gates"]}["probe:no-foreign-packages"]
     report = (run_dir / "report.md").read_text()
     assert "## Native metrics" in report and "The data is synthetic" in report
     files = [run_dir / "plan.json", run_dir / "data" / "data.jsonl", run_dir / "stages" / "train" / "steps.jsonl",
@@ -157,13 +191,36 @@ def test_mace_qualifies_on_its_cpu_plan_with_native_metrics_and_a_bit_identical_
         "DomainPlan", "DataSplit", "DomainStep", "DomainPrediction", "NativeMetric"], validated.stdout
 
 
-def test_a_domain_arm_renders_as_a_slurm_job_whose_frozen_plan_reads_back_to_the_same_id(tmp_path):
+@pytest.mark.slow
+def test_lerobot_qualifies_on_its_cpu_plan_with_rollout_metrics_and_a_bit_identical_resume(tmp_path):
+    """The lerobot stack's own CPU plan, every stage, in its own environment (lerobot 0.4.4, MuJoCo's Reacher)."""
+    if not os.environ.get("RUNNER_TEST_ALL_DOMAINS"):
+        pytest.skip("RUNNER_TEST_ALL_DOMAINS=1 (`make test-domains`) builds the lerobot environment (lerobot and "
+                    "PyPI's CUDA build of torch 2.9.1: ~8 GB, several minutes cold) and qualifies it on its CPU "
+                    "plan (~3 min on 2 cores): more than CI's 60-minute budget holds")
     run_dir = tmp_path / "run"
-    result = run_cli("qualify", "--stack", "mace", "--plan", str(MACE_PLAN), "--executor", "slurm", "--cluster",
+    summary = qualified_on_every_stage("lerobot", LEROBOT_PLAN, run_dir)
+    service = json.loads((run_dir / "stages" / "service" / "evidence.json").read_text())
+    cases = service["metrics"]["cases"]
+    assert cases["perfect"]["success_rate"] == {"value": 1.0, "expected": 1.0}
+    assert cases["broken"]["success_rate"]["value"] == cases["broken"]["success_rate"]["expected"]
+    headline = summary["native"]["success_rate"]
+    assert headline["verdict"] == "improved", headline
+    assert headline["trained"]["interval"][0] <= headline["trained"]["value"] <= headline["trained"]["interval"][1]
+    assert (run_dir / "data" / "train" / "meta" / "info.json").is_file(), "the training split is a LeRobot dataset"
+    validated = run_cli("validate", str(run_dir / "data" / "data.jsonl"),
+                        str(run_dir / "stages" / "evaluate" / "metrics.jsonl"), "--json")
+    assert validated.returncode == 0, validated.stdout
+
+
+@pytest.mark.parametrize(("stack", "plan"), [("mace", MACE_PLAN), ("lerobot", LEROBOT_PLAN)])
+def test_a_domain_arm_renders_as_a_slurm_job_whose_frozen_plan_reads_back_to_the_same_id(tmp_path, stack, plan):
+    run_dir = tmp_path / "run"
+    result = run_cli("qualify", "--stack", stack, "--plan", str(plan), "--executor", "slurm", "--cluster",
                      str(ROOT / "clusters" / "example-h100.toml"), "--dry-run", "--run-dir", str(run_dir), "--json")
     assert result.returncode == 0, result.stderr
-    script = (run_dir / "slurm" / "mace.sbatch").read_text()
-    assert f"qualify --stack mace --plan {run_dir / 'plan.json'}" in script
+    script = (run_dir / "slurm" / f"{stack}.sbatch").read_text()
+    assert f"qualify --stack {stack} --plan {run_dir / 'plan.json'}" in script
     frozen = json.loads((run_dir / "plan.json").read_text())
     assert frozen["contract"] == "domain-plan" and frozen["gates"]["metric_tolerance"] == 1e-06
     from runner._plan import load_plan

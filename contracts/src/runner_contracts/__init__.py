@@ -3,7 +3,7 @@
 Installed in every stack environment, so it depends on msgspec and nothing else.
 """
 
-from .hashing import canonical_json, freeze_plan, plan_id, sha256_bytes, sha256_file
+from .hashing import canonical_json, freeze_plan, plan_id, sha256_bytes, sha256_file, sha256_path
 from .io import (
     PARTIAL_SUFFIX,
     JsonlWriter,
@@ -98,6 +98,6 @@ __all__ = [
     "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Provenance", "Record", "RecordError", "ReleaseSpec", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageName", "StageRequest", "StageResult", "NativeAsset", "TaskPackage", "TaskSpec", "TeacherSample", "TinyFamily", "TinyRecipe", "ToolCallRecord", "ToolFormat", "TrainingRow",
     "Trajectory", "Upstream", "canonical_json", "decode_record", "encode", "freeze_plan", "iter_jsonl",
-    "plan_id", "read_jsonl", "read_record", "sha256_bytes", "sha256_file", "write_atomic",
+    "plan_id", "read_jsonl", "read_record", "sha256_bytes", "sha256_file", "sha256_path", "write_atomic",
     "write_record",
 ]

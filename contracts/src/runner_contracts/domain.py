@@ -12,7 +12,7 @@ import msgspec
 
 from .records import NonNegInt, Record, Sha256
 
-DATA_MANIFEST = "data.jsonl"  # DataSplit records, in the data job's folder beside the split files
+DATA_MANIFEST = "data.jsonl"  # DataSplit records, in the data job's folder beside the splits
 STEPS_FILE = "steps.jsonl"  # a training job's DomainStep records
 PREDICTIONS_FILE = "predictions.jsonl"  # an evaluation's (or a service case's) DomainPrediction records
 METRICS_FILE = "metrics.jsonl"  # the NativeMetric records computed from them by the stack's own code
@@ -79,7 +79,8 @@ class DomainPlan(Record, kw_only=True, tag_field="contract", tag="domain-plan"):
 
 
 class DataSplit(Record, kw_only=True):
-    """One split file the data job wrote (`path` relative to its folder) and the sha256 of its bytes."""
+    """One split the data job wrote (`path` relative to its folder): a file, or a folder holding a dataset in its
+    upstream's layout (a LeRobot dataset), with its sha256 as runner_contracts.sha256_path computes it."""
 
     contract: Literal["data-split"] = "data-split"
     version: int = 1

@@ -29,6 +29,20 @@ def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def sha256_path(path: str | os.PathLike[str]) -> str:
+    """A file's sha256; for a folder (a dataset in its upstream's layout), the sha256 of its files' relative
+    paths and sha256s, one "<path>\\0<sha256>\\n" line each in path order."""
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        return sha256_file(root)
+    lines = []
+    for folder, _, files in os.walk(root):
+        for name in files:
+            full = os.path.join(folder, name)
+            lines.append(f"{os.path.relpath(full, root).replace(os.sep, '/')}\0{sha256_file(full)}\n")
+    return sha256_bytes("".join(sorted(lines)).encode())
+
+
 def plan_id(plan: Plan) -> str:
     body = msgspec.to_builtins(plan)
     body.pop("plan_id", None)

@@ -10,14 +10,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from runner_contracts import DataSplit, DomainPrediction, DomainStep, GateResult, NativeMetric, sha256_file
+from runner_contracts import DataSplit, DomainPrediction, DomainStep, GateResult, NativeMetric, sha256_path
 
 BOOTSTRAP_RESAMPLES = 2000
 
 
 def data_gates(prefix: str, manifest: list[DataSplit], folder: Path) -> tuple[list[GateResult], dict[str, str]]:
-    """Every split file the data job listed exists with the sha256 it claimed (recomputed here)."""
-    found = {s.split: sha256_file(folder / s.path) if (folder / s.path).is_file() else None for s in manifest}
+    """Every split the data job listed (a file, or a dataset folder) exists with the sha256 it claimed
+    (recomputed here)."""
+    found = {s.split: sha256_path(folder / s.path) if (folder / s.path).exists() else None for s in manifest}
     wrong = sorted(s.split for s in manifest if found[s.split] != s.sha256)
     return [GateResult(name=f"{prefix}:data-frozen", passed=bool(manifest) and not wrong, measured=wrong, threshold=[],
                        detail=(f"splits whose file does not hash as listed: {wrong}" if wrong else
@@ -128,16 +129,23 @@ def _close(a: float | None, b: float | None, tolerance: float) -> bool:
 
 def case_gates(metrics: list[NativeMetric], tolerance: float) -> list[GateResult]:
     """The service stage's known cases: every metric a case declares a value for scores it, and the perfect
-    stand-in scores the ideal (0 for an error, 1 for a rate) on every metric."""
+    stand-in scores the ideal on every metric that has one (0 for an error, 1 for a rate or a classification;
+    a return has none)."""
     wrong = [f"{m.model} {m.name}: {m.value} (must be {m.expected})" for m in metrics
              if m.expected is not None and not _close(m.value, m.expected, tolerance)]
     ideal = [f"perfect {m.name}: {m.value}" for m in metrics
-             if m.model == "perfect" and not _close(m.value, 0.0 if m.direction == "lower" else 1.0, tolerance)]
+             if m.model == "perfect" and (best := _ideal(m)) is not None and not _close(m.value, best, tolerance)]
     broken = [m for m in metrics if m.model == "broken" and m.expected is not None]
     return [GateResult(name="service:known-cases", passed=not wrong and not ideal and bool(broken),
                        measured=len(wrong) + len(ideal), threshold=0,
                        detail="; ".join((wrong + ideal)[:4]) or
                        f"perfect scores the ideal on every metric; broken scores the {len(broken)} values it must")]
+
+
+def _ideal(metric: NativeMetric) -> float | None:
+    if metric.direction == "lower":
+        return 0.0
+    return 1.0 if metric.recompute.get("kind") in ("rate", "stability") else None
 
 
 def compare_models(name: str, direction: str, base: list[DomainPrediction], trained: list[DomainPrediction],

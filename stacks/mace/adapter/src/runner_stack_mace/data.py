@@ -19,18 +19,14 @@ from ase.data import atomic_numbers, reference_states
 from ase.io import write
 
 from runner_contracts import DATA_MANIFEST, DataSplit, DomainData, JsonlWriter, sha256_file
+from runner_kit.domain import recipe_options
 
 GENERATOR = "emt-fcc-alloys"
 DEFAULTS = {"elements": ["Cu", "Au"], "supercell": [2, 1, 1], "rattle": 0.05, "strain": 0.01}
 
 
 def options(spec: DomainData) -> dict:
-    if spec.generator != GENERATOR:
-        raise ValueError(f"data.generator: the mace stack makes {GENERATOR!r} data, not {spec.generator!r}")
-    unknown = sorted(set(spec.options) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"data.options: unknown {unknown}; known: {sorted(DEFAULTS)}")
-    chosen = {**DEFAULTS, **spec.options}
+    chosen = recipe_options(spec, "mace", GENERATOR, DEFAULTS)
     if len(chosen["elements"]) != 2 or any(e not in EMT_ELEMENTS for e in chosen["elements"]):
         raise ValueError(f"data.options.elements: two of EMT's elements {sorted(EMT_ELEMENTS)}, "
                          f"got {chosen['elements']}")

@@ -17,82 +17,49 @@ import msgspec
 import torch
 from ase.io import read
 
-from runner_contracts import (
-    DATA_MANIFEST,
-    METRICS_FILE,
-    PREDICTIONS_FILE,
-    DataSplit,
-    DomainPlan,
-    JsonlWriter,
-    StageRequest,
-    StageResult,
-    read_jsonl,
-)
-from runner_kit.rollout import environment_info, reachability
+from runner_contracts import DataSplit, DomainPlan, StageRequest, StageResult
+from runner_kit.domain import run_job
 
 from . import data, scoring, training
 
-UPSTREAM = "mace-torch"
 CAPABILITIES = ["domain:materials", "native-metric:energy-force-mae", "native-metric:matbench-discovery-stability",
                 "resume:bit-identical", "cpu"]
 ENERGY_OFFSET, FORCE_OFFSET = -0.1, 0.05  # the broken stand-in's errors: eV/atom, eV/A
 
 
 def run(request: StageRequest) -> StageResult:
-    plan = request.plan
-    if not isinstance(plan, DomainPlan):
-        raise ValueError("the mace stack runs domain plans (domain: mace), not language-model plans")
-    torch.set_num_threads(max(1, int(plan.budget.cpus or os.cpu_count() or 1)))
-    out = Path(request.out_dir)
-    stage = request.stage
-    if stage == "probe":
-        return StageResult(stage=stage, environment=environment_info(UPSTREAM), capabilities=CAPABILITIES,
-                           metrics={"reach": reachability()})
-    if stage == "data":
-        splits = data.make(plan.data, out)
-        return StageResult(stage=stage, metrics={s.split: s.sha256 for s in splits}, files={"manifest": DATA_MANIFEST})
-    data_dir = Path(request.options["data_dir"])
-    splits = {s.split: s for s in read_jsonl(data_dir / DATA_MANIFEST, DataSplit)}
-    if stage in ("update", "train"):
-        assert request.steps is not None
-        report = training.train(plan, data_dir, out, request.steps,
-                                Path(request.resume_from) if request.resume_from else None)
-        return StageResult(stage=stage, metrics=report)
+    torch.set_num_threads(max(1, int(getattr(request.plan.budget, "cpus", None) or os.cpu_count() or 1)))
+    return run_job(request, upstream="mace-torch", capabilities=CAPABILITIES, make_data=data.make, train=training.train,
+                   score=_score)
+
+
+def _score(stage: str, plan: DomainPlan, data_dir: Path, splits: dict[str, DataSplit], options):
+    heldout = splits["heldout"]
     if stage == "service":
-        return _service(plan, data_dir, splits["heldout"], out)
-    if stage == "evaluate":
-        models = {"base": Path(request.options["base_checkpoint"]), "trained": Path(request.options["trained_checkpoint"])}
-        return _write_scores(stage, out, [(label, *training.load(folder)) for label, folder in models.items()],
-                             data_dir, splits["heldout"])
-    raise ValueError(f"the mace adapter has no {stage!r} job")
+        record = training.construction_record(plan, data_dir / "train.xyz")
+        cases = [("perfect", scoring.StandIn(), record),
+                 ("broken", scoring.StandIn(ENERGY_OFFSET, FORCE_OFFSET), record)]
+        expected = _expected(data_dir / heldout.path)
+    else:
+        cases = [(label, *training.load(Path(options[option])))
+                 for label, option in (("base", "base_checkpoint"), ("trained", "trained_checkpoint"))]
+        expected = {}
+    for label, model, record in cases:
+        items, metrics = scoring.score(model, data_dir / heldout.path, heldout.sha256, label, record["zs"],
+                                       record["options"]["r_max"], training.loss_function(record))
+        yield items, [msgspec.structs.replace(m, expected=expected.get(label, {}).get(m.name)) for m in metrics]
 
 
-def _service(plan: DomainPlan, data_dir: Path, heldout: DataSplit, out: Path) -> StageResult:
+def _expected(heldout: Path) -> dict[str, dict[str, float]]:
     """Perfect scores 0 errors and a perfect classification. Broken (energies lowered by 0.1 eV/atom) scores
     exactly the offsets, and calls stable every item within 0.1 eV/atom of the hull: recall 1, and precision
     and accuracy as counted here from the true distances."""
-    record = training.construction_record(plan, data_dir / "train.xyz")
-    true = [float(atoms.info["e_above_hull"]) for atoms in read(data_dir / heldout.path, index=":")]
+    true = [float(atoms.info["e_above_hull"]) for atoms in read(heldout, index=":")]
     stable, called = sum(e <= 0 for e in true), sum(e + ENERGY_OFFSET <= 0 for e in true)
     precision = stable / called
-    expected = {"perfect": {"energy_mae_per_atom": 0.0, "force_mae": 0.0, "stability_f1": 1.0,
-                            "stability_precision": 1.0, "stability_recall": 1.0, "stability_accuracy": 1.0},
-                "broken": {"energy_mae_per_atom": abs(ENERGY_OFFSET), "force_mae": FORCE_OFFSET,
-                           "stability_recall": 1.0, "stability_precision": precision,
-                           "stability_accuracy": (len(true) - (called - stable)) / len(true),
-                           "stability_f1": 2 * precision / (precision + 1)}}
-    cases = [("perfect", scoring.StandIn(), record), ("broken", scoring.StandIn(ENERGY_OFFSET, FORCE_OFFSET), record)]
-    return _write_scores("service", out, cases, data_dir, heldout, expected)
-
-
-def _write_scores(stage: str, out: Path, models, data_dir: Path, split: DataSplit,
-                  expected: dict[str, dict[str, float]] | None = None) -> StageResult:
-    with JsonlWriter(out / PREDICTIONS_FILE) as predictions, JsonlWriter(out / METRICS_FILE) as metrics:
-        for label, model, record in models:
-            items, scores = scoring.score(model, data_dir / split.path, split.sha256, label, record["zs"],
-                                          record["options"]["r_max"], training.loss_function(record))
-            for item in items:
-                predictions.write(item)
-            for metric in scores:
-                metrics.write(msgspec.structs.replace(metric, expected=(expected or {}).get(label, {}).get(metric.name)))
-    return StageResult(stage=stage, files={"predictions": PREDICTIONS_FILE, "metrics": METRICS_FILE})
+    return {"perfect": {"energy_mae_per_atom": 0.0, "force_mae": 0.0, "stability_f1": 1.0,
+                        "stability_precision": 1.0, "stability_recall": 1.0, "stability_accuracy": 1.0},
+            "broken": {"energy_mae_per_atom": abs(ENERGY_OFFSET), "force_mae": FORCE_OFFSET,
+                       "stability_recall": 1.0, "stability_precision": precision,
+                       "stability_accuracy": (len(true) - (called - stable)) / len(true),
+                       "stability_f1": 2 * precision / (precision + 1)}}
