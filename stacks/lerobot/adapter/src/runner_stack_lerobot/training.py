@@ -7,7 +7,6 @@ from the same pair (dropout, the VAE's sampling), so a run resumed from checkpoi
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import time
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch
 from lerobot.datasets.factory import resolve_delta_timestamps
-from lerobot.datasets.lerobot_dataset import LeRobotDataset
+from lerobot.datasets.lerobot_dataset import LeRobotDataset, LeRobotDatasetMetadata
 from lerobot.policies.factory import get_policy_class, make_policy, make_policy_config, make_pre_post_processors
 from lerobot.utils.logging_utils import AverageMeter, MetricsTracker
 
@@ -44,7 +43,7 @@ def policy_config(plan: DomainPlan):
 
 def dataset(plan: DomainPlan, data_dir: Path) -> LeRobotDataset:
     """The training split as the policy reads it (action chunks of the policy's length)."""
-    meta = LeRobotDataset(REPO_ID, root=data_dir / TRAIN_DIR).meta
+    meta = LeRobotDatasetMetadata(REPO_ID, root=data_dir / TRAIN_DIR)
     return LeRobotDataset(REPO_ID, root=data_dir / TRAIN_DIR,
                           delta_timestamps=resolve_delta_timestamps(policy_config(plan), meta))
 
@@ -117,4 +116,4 @@ def train(plan: DomainPlan, data_dir: Path, out: Path, steps: int, resume_from: 
                                     seconds=round(time.monotonic() - began, 3)))
             writer.flush()
     return {"loss": losses, "start_step": start, "frames": data.num_frames, "episodes": data.num_episodes,
-            "policy": dataclasses.asdict(policy.config).get("type", policy.name)}
+            "policy": policy.name}
