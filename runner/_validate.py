@@ -3,7 +3,12 @@ memory that does not grow with the file."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
+import multiprocessing
+import os
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,11 +25,15 @@ from runner_contracts import (
     ServiceCase,
     TrainingRow,
     Trajectory,
-    iter_jsonl,
+    decode_line,
     read_record,
 )
 
 MAX_ERRORS_PER_FILE = 20
+PARALLEL_FROM_BYTES = 4 << 20  # smaller files take longer to hand to workers than to check here
+CHUNK_BYTES = 16 << 20
+MIN_CHUNK_BYTES = 1 << 20
+MAX_WORKERS = 8
 _BY_NAME = {"trajectories": Trajectory, "training": TrainingRow, "service": ServiceCase, "eval": EvalRecord,
             "evidence": Evidence, "plan": Plan}
 
@@ -80,10 +89,8 @@ class SeenIds:
         return True
 
 
-def _check_trajectory(t: Trajectory, seen: SeenIds) -> list[tuple[str, str]]:
+def _check_trajectory(t: Trajectory) -> list[tuple[str, str]]:
     problems = []
-    if not seen.add(f"{t.stage}\0{t.episode_id}"):
-        problems.append(("episode_id", f"duplicate episode id {t.episode_id!r} in stage {t.stage!r}"))
     if not math.isfinite(t.reward):
         problems.append(("reward", f"must be finite, got {t.reward}"))
     for name, value in t.reward_components.items():
@@ -126,45 +133,119 @@ def _check_row(row: TrainingRow) -> list[tuple[str, str]]:
     return problems
 
 
-def validate_file(path: Path) -> FileReport:
+@dataclass
+class _Chunk:
+    """What one byte range of a JSONL file held: its lines, records, errors (line numbers counted from the
+    range's first line) and, for trajectories, each episode's key with its line, for the duplicate check
+    across the whole file."""
+
+    lines: int = 0
+    records: int = 0
+    errors: list[tuple[int, str, str]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    key_lines: array = field(default_factory=lambda: array("q"))
+
+
+def _check_range(path: Path, record_type: type[Record], start: int, end: int, last: bool) -> _Chunk:
+    """Schema and per-record checks of the lines in [start, end), at most MAX_ERRORS_PER_FILE errors."""
+    chunk = _Chunk()
+    decoder = msgspec.json.Decoder(record_type)
+    with open(path, "rb") as handle:
+        handle.seek(start)
+        data = handle.read(end - start)
+    for raw in io.BytesIO(data):
+        chunk.lines += 1
+        line = chunk.lines
+        if not raw.endswith(b"\n") and last:
+            chunk.errors.append((line, "(line)", "truncated line: no newline at end of file"))
+            break
+        try:
+            record = decode_line(raw, record_type, decoder, path, line)
+        except RecordError as error:
+            chunk.errors.append((line, error.field, error.message))
+        else:
+            chunk.records += 1
+            if isinstance(record, Trajectory):
+                chunk.keys.append(f"{record.stage}\0{record.episode_id}")
+                chunk.key_lines.append(line)
+                problems = _check_trajectory(record)
+            else:
+                problems = _check_row(record) if isinstance(record, TrainingRow) else []
+            chunk.errors.extend((line, name, message) for name, message in problems)
+        if len(chunk.errors) >= MAX_ERRORS_PER_FILE:
+            break
+    return chunk
+
+
+def _ranges(path: Path, size: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) byte ranges of about `chunk_bytes` that each end at a newline (or the file's end)."""
+    bounds = [0]
+    with open(path, "rb") as handle:
+        while bounds[-1] + chunk_bytes < size:
+            handle.seek(bounds[-1] + chunk_bytes)
+            handle.readline()
+            bounds.append(min(handle.tell(), size))
+    if bounds[-1] < size:
+        bounds.append(size)
+    return list(zip(bounds, bounds[1:]))
+
+
+def _workers() -> int:
+    return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
+
+
+def validate_file(path: Path, workers: int | None = None) -> FileReport:
+    """Validates one contract file. A JSONL file of PARALLEL_FROM_BYTES or more is checked in byte ranges on
+    `workers` processes (default: the CPUs this process may use, up to MAX_WORKERS); episode ids are checked
+    for duplicates across the whole file here, in memory that does not grow with it (SeenIds)."""
     record_type = detect_type(path)
     report = FileReport(path=str(path), contract=getattr(record_type, "__name__", None))
-
-    def add(error: RecordError) -> bool:
-        if len(report.errors) >= MAX_ERRORS_PER_FILE:
-            report.truncated_errors = True
-            return False
-        report.errors.append(error)
-        return True
-
     if not path.is_file():
-        add(RecordError(path, None, "(file)", "no such file"))
+        report.errors.append(RecordError(path, None, "(file)", "no such file"))
         return report
     if record_type is None:
-        add(RecordError(path, 1, "contract", f"cannot tell the record type: name the file one of "
-                        f"{', '.join(sorted(_BY_NAME))} (.jsonl/.json) or give records a known 'contract' field"))
+        report.errors.append(RecordError(path, 1, "contract", f"cannot tell the record type: name the file one of "
+                             f"{', '.join(sorted(_BY_NAME))} (.jsonl/.json) or give records a known 'contract' field"))
         return report
     if not (path.suffix == ".jsonl" or ".jsonl" in path.name):
         try:
             read_record(path, record_type)
             report.records = 1
         except RecordError as error:
-            add(error)
+            report.errors.append(error)
         return report
+    size = path.stat().st_size
+    workers = workers or _workers()
+    if workers > 1 and size >= PARALLEL_FROM_BYTES:
+        ranges = _ranges(path, size, max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, size // (4 * workers))))
+    else:
+        ranges, workers = [(0, size)], 1
+    jobs = [(path, record_type, start, end, end == size) for start, end in ranges]
     seen = SeenIds()
-    start_line = 1
-    while True:
-        try:
-            for line_no, record in iter_jsonl(path, record_type, start_line=start_line):
-                report.records += 1
-                checks = (_check_trajectory(record, seen) if isinstance(record, Trajectory)
-                          else _check_row(record) if isinstance(record, TrainingRow) else [])
-                for field_name, message in checks:
-                    if not add(RecordError(path, line_no, field_name, message)):
-                        return report
-            return report
-        except RecordError as error:
-            # Keep going after a bad line so one run reports every error in the file (up to the cap).
-            if not add(error) or error.line is None:
-                return report
-            start_line = error.line + 1
+    errors: list[RecordError] = []
+    first_line = 0
+    with contextlib.ExitStack() as stack:
+        if workers > 1:
+            pool = stack.enter_context(multiprocessing.get_context("fork").Pool(min(workers, len(jobs))))
+            chunks = pool.imap(_check_range_job, jobs)
+        else:
+            chunks = map(_check_range_job, jobs)
+        for chunk in chunks:
+            report.records += chunk.records
+            errors.extend(RecordError(path, first_line + line, name, message) for line, name, message in chunk.errors)
+            for key, line in zip(chunk.keys, chunk.key_lines):
+                if not seen.add(key):
+                    stage, episode_id = key.split("\0", 1)
+                    errors.append(RecordError(path, first_line + line, "episode_id",
+                                              f"duplicate episode id {episode_id!r} in stage {stage!r}"))
+            first_line += chunk.lines
+            if len(errors) >= MAX_ERRORS_PER_FILE:
+                break  # the first errors in the file are in: later ranges can only add later lines
+    errors.sort(key=lambda error: error.line or 0)
+    report.errors = errors[:MAX_ERRORS_PER_FILE]
+    report.truncated_errors = len(errors) > MAX_ERRORS_PER_FILE
+    return report
+
+
+def _check_range_job(job: tuple[Path, type[Record], int, int, bool]) -> _Chunk:
+    return _check_range(*job)

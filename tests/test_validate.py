@@ -121,3 +121,25 @@ def test_cli_never_prints_a_traceback(tmp_path):
     assert result.returncode == 1
     assert "Traceback" not in result.stderr + result.stdout
     assert f"{path}:1" in result.stderr.replace("\n", "")
+
+
+def test_a_file_checked_in_ranges_on_worker_processes_gives_the_same_report(tmp_path, episodes, monkeypatch):
+    """Large files are validated in byte ranges on several processes: errors keep their file line numbers and
+    order, and a duplicate episode id is found across ranges."""
+    from runner import _validate
+
+    path = tmp_path / "trajectories.jsonl"
+    lines = [msgspec.json.encode(t) + b"\n" for t in episodes[0]]
+    body = [raw.replace(b'"episode_id":"', b'"episode_id":"c%d/' % copy) for copy in range(30) for raw in lines]
+    body[7] = json_edit(lambda d: d.__setitem__("step", -1))(body[7])
+    body[50] = body[3]  # a duplicate of line 4, far from it
+    body[90] = b"not json\n"
+    path.write_bytes(b"".join(body))
+    sequential = _validate.validate_file(path, workers=1)
+    monkeypatch.setattr(_validate, "PARALLEL_FROM_BYTES", 0)
+    monkeypatch.setattr(_validate, "MIN_CHUNK_BYTES", 1000)
+    assert len(_validate._ranges(path, path.stat().st_size, 1000)) > 10
+    parallel = _validate.validate_file(path, workers=2)
+    found = [(e.line, e.field) for e in parallel.errors]
+    assert found == [(e.line, e.field) for e in sequential.errors] == [(8, "step"), (51, "episode_id"), (91, "(record)")]
+    assert parallel.records == sequential.records == 118  # two lines are not records

@@ -98,15 +98,21 @@ def iter_jsonl(path: str | os.PathLike[str], record_type: type[R], *,
                 if allow_truncated_tail:
                     return
                 raise RecordError(path, line_no, "(line)", "truncated line: no newline at end of file")
-            if raw[:1].isspace() and not raw.strip():  # a record line starts with "{": strip only then
-                raise RecordError(path, line_no, "(line)", "empty line")
-            try:
-                record = decoder.decode(raw)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                record = None
-            if record is None or getattr(record, "version", SUPPORTED_VERSION) > SUPPORTED_VERSION:
-                record = decode_record(raw, record_type, path, line_no, decoder)  # raises, naming the field
-            yield line_no, record
+            yield line_no, decode_line(raw, record_type, decoder, path, line_no)
+
+
+def decode_line(raw: bytes, record_type: type[R], decoder: msgspec.json.Decoder, path: str | os.PathLike[str],
+                line_no: int) -> R:
+    """One JSONL line's record; a blank line, a bad record or a newer version raises RecordError."""
+    if raw[:1].isspace() and not raw.strip():  # a record line starts with "{": strip only then
+        raise RecordError(path, line_no, "(line)", "empty line")
+    try:
+        record = decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        record = None
+    if record is None or getattr(record, "version", SUPPORTED_VERSION) > SUPPORTED_VERSION:
+        record = decode_record(raw, record_type, path, line_no, decoder)  # raises, naming the field
+    return record
 
 
 def read_jsonl(path: str | os.PathLike[str], record_type: type[R], **kwargs: Any) -> list[R]:
