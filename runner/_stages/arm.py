@@ -182,7 +182,7 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
                 options: dict[str, Any] | None = None, kill_when: Callable[[], bool] | None = None,
                 allow_kill: bool = False, in_stack_env: bool = False,
                 on_gpu: bool = False) -> tuple[RunOutcome, StageResult | None]:
-    """Runs one adapter job. Environment-stack arms run trainer jobs against their rollout service;
+    """Runs one adapter job. Environment-stack arms run trainer jobs (but the probe) against their rollout service;
     `in_stack_env` runs the job in the environment stack's own environment instead. Training jobs of an arm
     with a GPU environment, and jobs with `on_gpu`, run in that environment (the stack trains itself)."""
     options = dict(options or {})
@@ -196,13 +196,13 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
     elif arm.service_env is not None:
         if in_stack_env:
             env = arm.service_env
-        else:
+        elif stage != "probe":
             options["rollout_service"] = arm.rollout_service_url()
     request = StageRequest(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan=arm.request_plan(),
                            out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir) if arm.policy_dir else None,
                            steps=steps,
                            resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
-    peer = arm.service if arm.service_env is not None and not in_stack_env else None
+    peer = arm.service if arm.service_env is not None and not in_stack_env and stage != "probe" else None
     left = arm.time_left()
     if left <= 0:
         raise AdapterFailed(ErrorInfo(kind="timeout", message=f"{arm.current_stage or stage} used up the plan's "

@@ -4,6 +4,7 @@ its trainer's environment too, a GPU plan the stack's GPU environment."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -103,9 +104,16 @@ def stage_probe(arm: Arm) -> StageOutput:
         output = StageOutput(metrics={"python": arm.environment.python, "capabilities": result.capabilities,
                                       **result.metrics}, gates=gates)
     else:
-        arm.environment, result, gates = _probe(arm, arm.manifest, arm.service_env, out, in_stack_env=True)
-        trainer_env, trainer_result, trainer_gates = _probe(arm, arm.env.manifest, arm.env, out / "trainer",
-                                                            in_stack_env=False, prefix="trainer")
+        # The rollout service (kept for the arm; the trainer's probe does not use it) starts while both
+        # environments are probed: it is the slowest of the three.
+        with ThreadPoolExecutor(1, thread_name_prefix="rollout-service") as pool:
+            service = pool.submit(arm.rollout_service_url)
+            try:
+                arm.environment, result, gates = _probe(arm, arm.manifest, arm.service_env, out, in_stack_env=True)
+                trainer_env, trainer_result, trainer_gates = _probe(arm, arm.env.manifest, arm.env, out / "trainer",
+                                                                    in_stack_env=False, prefix="trainer")
+            finally:
+                service.result()
         output = StageOutput(gates=gates + trainer_gates, metrics={
             "python": arm.environment.python, "capabilities": result.capabilities, **result.metrics,
             "trainer": _probed(arm.env.manifest.name, trainer_env, trainer_result)})

@@ -5,9 +5,12 @@ alone) and then runs one forward pass over every active call's next token. Each 
 sampler, so its sampled ids and logprobs are bit-identical to sampling it alone, whatever else is in the
 batch. Two things make the shared forward pass exact:
 
-- every nn.Linear runs one row at a time: a BLAS gemm's rounding depends on how many rows it multiplies
-  (on CPU one row takes the gemv path, two or three rows one kernel, four or more another), and a row
-  alone is what one-at-a-time sampling multiplies;
+- every nn.Linear multiplies each row on its own: a BLAS gemm's rounding depends on how many rows it
+  multiplies (on CPU one row takes the gemv path, two or three rows one kernel, four or more another), and
+  a row alone is what one-at-a-time sampling multiplies. One batched matmul of one-row matrices against the
+  weight (`torch.baddbmm` over a stride-0 view, no copy) does that for every row in one call: on CPU it
+  equals F.linear row by row bit for bit (measured for square, wide and tall weights up to 4864 x 896, with
+  and without bias, 2 to 64 rows), at a fraction of the cost of a Python loop over the rows;
 - attention runs per row over that row's own keys (the batched cache is left-padded, and the padding never
   enters a reduction).
 
@@ -151,9 +154,16 @@ def _rowwise_linear(module):
     import torch.nn.functional as F
 
     def forward(x):
-        if _active_here() is None or x.shape[0] == 1:  # another thread (the trainer), or nothing to split
+        rows = x.shape[0]
+        if _active_here() is None or rows == 1:  # another thread (the trainer), or nothing to split
             return F.linear(x, module.weight, module.bias)
-        return torch.cat([F.linear(x[i:i + 1], module.weight, module.bias) for i in range(x.shape[0])])
+        flat = x.reshape(rows, 1, x.shape[-1])  # a decode step: one token per row
+        weight = module.weight.t().unsqueeze(0).expand(rows, -1, -1)
+        if module.bias is None:
+            out = torch.bmm(flat, weight)
+        else:
+            out = torch.baddbmm(module.bias.view(1, 1, -1).expand(rows, 1, -1), flat, weight)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return forward
 
@@ -266,12 +276,16 @@ class BatchingSampler:
                 return
             started = time.monotonic()
             with self._inference():
-                while waiting and len(active) < self.max_rows:
+                admitted = []
+                while waiting and len(active) + len(admitted) < self.max_rows:
                     call = waiting.pop(0)
                     try:
-                        cache = self._admit(call, active, cache)
+                        admitted.extend(self._admit(call))
                     except Exception as error:  # noqa: BLE001 - answered to the caller, who reports it
                         call.end(None, error)
+                if admitted:
+                    cache = _join(cache, [prefilled for _, prefilled in admitted])
+                    active.extend(call for call, _ in admitted)
                 if active:
                     try:
                         cache = self._step(active, cache)
@@ -281,13 +295,10 @@ class BatchingSampler:
                         active, cache = [], None
             self.stats["model_s"] += time.monotonic() - started
 
-    def _admit(self, call: _Call, active: list[_Call], cache):
-        """Prefills `call` alone, samples its first token, and joins its cache to the batch's."""
+    def _admit(self, call: _Call) -> list:
+        """Prefills `call` alone and samples its first token: [(call, its cache)] while it goes on, else []."""
         output = self._prefill(call)
-        if call.take(output.logits[0, -1]):
-            return cache
-        active.append(call)
-        return _join(cache, output.past_key_values)
+        return [] if call.take(output.logits[0, -1]) else [(call, output.past_key_values)]
 
     def _prefill(self, call: _Call):
         import torch
@@ -368,12 +379,10 @@ class BatchingSampler:
                                         past_key_values=output.past_key_values, use_cache=True)
                     logits.append(output.logits[0, -1])
                 alone.append(logits)
-            cache = None
-            for call in calls:
-                prefilled = self._prefill(call).past_key_values
-                if not all(type(layer) is DynamicLayer for layer in prefilled.layers):
-                    return "the model's KV cache is not a plain DynamicCache (sliding window or static)"
-                cache = _join(cache, prefilled)
+            prefilled = [self._prefill(call).past_key_values for call in calls]
+            if not all(type(layer) is DynamicLayer for cache in prefilled for layer in cache.layers):
+                return "the model's KV cache is not a plain DynamicCache (sliding window or static)"
+            cache = _join(None, prefilled)
             for step in range(steps):
                 output = self._decode(calls, [call.prompt_ids[step] for call in calls], cache)
                 cache = output.past_key_values
@@ -384,20 +393,24 @@ class BatchingSampler:
         return ""
 
 
-def _join(cache, new):
-    """`new` (one call's prefilled cache) as another row of `cache`, both left-padded to the longer."""
+def _join(cache, added: list):
+    """The batch's cache (None when empty) with each of `added` (prefilled caches, one call each) as further
+    rows, all left-padded to the longest: one copy of the batch per admission round, not one per call."""
     import torch
 
-    if cache is None:
-        return new
-    width = max(cache.layers[0].keys.shape[2], new.layers[0].keys.shape[2])
-    for layer, added in zip(cache.layers, new.layers, strict=True):
-        layer.keys = torch.cat([_left_pad(layer.keys, width), _left_pad(added.keys, width)])
-        layer.values = torch.cat([_left_pad(layer.values, width), _left_pad(added.values, width)])
-    return cache
+    base = added[0] if cache is None else cache
+    rows = added[1:] if cache is None else added
+    if not rows:
+        return base
+    width = max(c.layers[0].keys.shape[2] for c in [base, *rows])
+    for index, layer in enumerate(base.layers):
+        layer.keys = torch.cat([_left_pad(layer.keys, width)] + [_left_pad(c.layers[index].keys, width) for c in rows])
+        layer.values = torch.cat([_left_pad(layer.values, width)]
+                                 + [_left_pad(c.layers[index].values, width) for c in rows])
+    return base
 
 
 def _left_pad(tensor, width: int):
     import torch.nn.functional as F
 
-    return F.pad(tensor, (0, 0, width - tensor.shape[2], 0))
+    return tensor if tensor.shape[2] == width else F.pad(tensor, (0, 0, width - tensor.shape[2], 0))
