@@ -104,16 +104,19 @@ def stage_probe(arm: Arm) -> StageOutput:
         output = StageOutput(metrics={"python": arm.environment.python, "capabilities": result.capabilities,
                                       **result.metrics}, gates=gates)
     else:
-        # The rollout service (kept for the arm; the trainer's probe does not use it) starts while both
-        # environments are probed: it is the slowest of the three.
-        with ThreadPoolExecutor(1, thread_name_prefix="rollout-service") as pool:
-            service = pool.submit(arm.rollout_service_url)
+        # Both environments are probed while the rollout service starts (it is the slowest of the three and
+        # the trainer's probe does not use it). The service is started here, on the arm's own thread: a job
+        # ends with the thread that started it.
+        def probe_both():
+            return (_probe(arm, arm.manifest, arm.service_env, out, in_stack_env=True),
+                    _probe(arm, arm.env.manifest, arm.env, out / "trainer", in_stack_env=False, prefix="trainer"))
+
+        with ThreadPoolExecutor(1, thread_name_prefix="probe") as pool:
+            probes = pool.submit(probe_both)
             try:
-                arm.environment, result, gates = _probe(arm, arm.manifest, arm.service_env, out, in_stack_env=True)
-                trainer_env, trainer_result, trainer_gates = _probe(arm, arm.env.manifest, arm.env, out / "trainer",
-                                                                    in_stack_env=False, prefix="trainer")
+                arm.rollout_service_url()
             finally:
-                service.result()
+                (arm.environment, result, gates), (trainer_env, trainer_result, trainer_gates) = probes.result()
         output = StageOutput(gates=gates + trainer_gates, metrics={
             "python": arm.environment.python, "capabilities": result.capabilities, **result.metrics,
             "trainer": _probed(arm.env.manifest.name, trainer_env, trainer_result)})
