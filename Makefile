@@ -75,6 +75,7 @@ bench: system-deps $(BENCH_STAMP)
 	$(BIN)/python bench/bench_validate.py --gigabytes 10  # the scale line needs ~10 GB free under $$TMPDIR or RUNNER_BENCH_TMP
 	$(BIN)/python bench/bench_overhead.py
 	$(BIN)/python bench/bench_environments.py
+	$(BIN)/python bench/bench_arms.py
 	$(BIN)/python bench/bench_policy_server.py
 	$(BIN)/python bench/bench_engines.py
 	$(BIN)/python bench/bench_slurm_render.py

@@ -1,0 +1,70 @@
+"""Every language-model arm on the calc-tool CPU plan, in one `runner compare` (stages probe to update, then
+train): each environment arm's train-stage rollouts/s against the trl arm's (#22's goal: >= 0.8x), and each
+arm's time to its first reproducible update against the one-minute budget. Also prints the policy server's
+batching figures per environment arm (calls, decode steps, mean rows, model seconds).
+
+    python bench/bench_arms.py [--stacks trl,openenv,...]
+
+Needs the stack environments and the tiny policy (built on first use and cached); ~10 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from results import figure, record
+
+ROOT = Path(__file__).resolve().parents[1]
+PLAN = ROOT / "qualification" / "plans" / "calc-tool-cpu.yaml"
+STACKS = "trl,openenv,nemo-gym,verifiers,lightning-verl,skyrl-gym"
+FIRST_UPDATE_BUDGET_S = 60.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stacks", default=STACKS, help="comma-separated; trl (the baseline) is always run")
+    args = parser.parse_args()
+    stacks = ["trl", *(s for s in args.stacks.split(",") if s and s != "trl")]
+    runner_bin = Path(sys.executable).parent / "runner"
+    with tempfile.TemporaryDirectory() as tmp:
+        run = subprocess.run([str(runner_bin), "compare", "--stacks", ",".join(stacks), "--plan", str(PLAN),
+                              "--stages", "probe,service,rollout,update,train", "--run-dir", f"{tmp}/cmp", "--json"],
+                             capture_output=True, text=True)
+        comparison_path = Path(tmp) / "cmp" / "comparison.json"
+        if not comparison_path.is_file():
+            sys.exit(f"runner compare failed ({run.returncode}): {run.stderr[-3000:]}")
+        comparison = json.loads(comparison_path.read_text())
+        batching = {arm["stack"]: _policy_batching(Path(tmp) / "cmp" / "arms" / arm["stack"])
+                    for arm in comparison["arms"]}
+    arms = {arm["stack"]: arm for arm in comparison["arms"]}
+    trl_rate = arms["trl"]["throughput"]["rollouts_per_s"]
+    print(f"{'arm':16}{'rollouts/s':>11}{'x trl':>7}{'first update s':>16}  policy server")
+    for name, arm in arms.items():
+        rate, first = arm["throughput"].get("rollouts_per_s"), arm["time_to_first_reproducible_update_s"]
+        server = batching.get(name) or {}
+        print(f"{name:16}{rate:>11.1f}{rate / trl_rate:>7.2f}{first:>16.1f}  "
+              + (f"{server.get('calls')} calls, {server.get('decode_steps')} steps, {server.get('mean_rows')} rows "
+                 f"per step, model {server.get('model_s')} s" if server else "-"))
+    record("arms", [
+        *(figure(f"{name} train-stage rollouts/s", arm["throughput"]["rollouts_per_s"], "/s", "trl arm, same run",
+                 trl_rate, goal=">= 0.8", note="same tokens as one-at-a-time sampling")
+          for name, arm in arms.items() if name != "trl"),
+        *(figure(f"{name} first reproducible update", arm["time_to_first_reproducible_update_s"], "s", "budget",
+                 FIRST_UPDATE_BUDGET_S, goal="<= 1.0") for name, arm in arms.items()),
+    ])
+
+
+def _policy_batching(arm_dir: Path) -> dict | None:
+    result = arm_dir / "stages" / "train" / "result.json"
+    if not result.is_file():
+        return None
+    return json.loads(result.read_text()).get("metrics", {}).get("policy_batching")
+
+
+if __name__ == "__main__":
+    main()
