@@ -1,9 +1,13 @@
 """The runner's overhead on one stage against invoking the adapter directly, measured in the same run.
 
-Runs the trl probe stage three ways, `repeat` times each, and prints medians and ratios:
-- direct: the stack's python running the adapter launcher on a prepared request (the floor);
-- engine: LocalEngine.run (scrubbed env, process group, logs);
-- cli: `runner qualify --stages probe` (plan loading, policy resolution, gates, evidence, report).
+Runs the trl probe stage three ways, in `repeat` interleaved rounds (so a slow spell of the machine hits
+every way alike), and prints the median of each and the ratios:
+- direct: the stack's python running the adapter launcher on a prepared request, with the environment
+  variables the runner gives a job (offline flags, private HOME): the floor, as those variables change
+  what the stack does, not what the runner costs;
+- engine: LocalEngine.run (sandbox, process group, logs);
+- cli: `runner qualify --stages probe` (interpreter start-up and imports, plan loading, policy
+  resolution, gates, evidence, report).
 Needs the trl environment and tiny policy (`make demo` builds both; this reuses the cache).
 """
 
@@ -28,9 +32,10 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def main(repeat: int = 3) -> None:
+def main(repeat: int = 7) -> None:
     from runner_contracts import StageRequest, write_record
 
+    from runner._engines.jobs import scrubbed_env
     from runner.api import LocalEngine, get_stack, load_plan, resolve_policy
 
     engine = LocalEngine()
@@ -42,10 +47,11 @@ def main(repeat: int = 3) -> None:
         request = StageRequest(run_id="bench", stack="trl", stage="probe", plan=plan, out_dir=str(tmp / "direct"))
         (tmp / "direct").mkdir()
         request_path = write_record(tmp / "direct" / "request.json", request)
+        job_env = scrubbed_env(env.path / "bin", tmp / "direct" / ".home", plan, "trl")
 
         def direct() -> None:
             subprocess.run([str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)],
-                           cwd=tmp / "direct", check=True, capture_output=True)
+                           cwd=tmp / "direct", env=job_env, check=True, capture_output=True)
 
         def via_engine() -> None:
             assert engine.run(env, request, timeout_s=300).ok
@@ -56,10 +62,14 @@ def main(repeat: int = 3) -> None:
             subprocess.run([str(runner_bin), "qualify", "--stack", "trl", "--plan", str(PLAN), "--stages", "probe",
                             "--run-dir", str(tmp / f"cli{next(counter)}"), "--json"], check=True, capture_output=True)
 
-        results = {name: statistics.median(timed(fn) for _ in range(repeat))
-                   for name, fn in (("direct", direct), ("engine", via_engine), ("cli", via_cli))}
+        ways = {"direct": direct, "engine": via_engine, "cli": via_cli}
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        for _ in range(repeat):
+            for name, fn in ways.items():
+                times[name].append(timed(fn))
+        results = {name: statistics.median(seconds) for name, seconds in times.items()}
     base = results["direct"]
-    print(f"probe stage, median of {repeat}")
+    print(f"probe stage, median of {repeat} interleaved rounds")
     for name, seconds in results.items():
         print(f"{name:<8}{seconds:>8.2f} s{seconds / base:>8.2f}x direct")
     record("overhead", [
@@ -69,4 +79,4 @@ def main(repeat: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 7)

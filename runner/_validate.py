@@ -3,14 +3,17 @@ memory that does not grow with the file."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import io
 import math
 import multiprocessing
+import multiprocessing.pool
 import os
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 from qualification.gates import ScratchDatabase
@@ -21,6 +24,7 @@ from runner_contracts import (
     Evidence,
     Plan,
     Record,
+    SUPPORTED_VERSION,
     RecordError,
     ServiceCase,
     TrainingRow,
@@ -88,6 +92,15 @@ class SeenIds:
             self._keys = set()
         return True
 
+    def add_many(self, keys: list[str]) -> list[int]:
+        """Adds `keys` in order; returns the indices of those met before (in an earlier call or earlier here)."""
+        if self._scratch is None and len(self._keys) + len(keys) < self.spill_at:
+            batch = set(keys)
+            if len(batch) == len(keys) and self._keys.isdisjoint(batch):
+                self._keys |= batch
+                return []
+        return [index for index, key in enumerate(keys) if not self.add(key)]
+
 
 def _check_trajectory(t: Trajectory) -> list[tuple[str, str]]:
     problems = []
@@ -149,32 +162,52 @@ class _Chunk:
 def _check_range(path: Path, record_type: type[Record], start: int, end: int, last: bool) -> _Chunk:
     """Schema and per-record checks of the lines in [start, end), at most MAX_ERRORS_PER_FILE errors."""
     chunk = _Chunk()
-    decoder = msgspec.json.Decoder(record_type)
-    with open(path, "rb") as handle:
+    with open(path, "rb", buffering=1 << 20) as handle:
         handle.seek(start)
-        data = handle.read(end - start)
-    for raw in io.BytesIO(data):
-        chunk.lines += 1
-        line = chunk.lines
-        if not raw.endswith(b"\n") and last:
-            chunk.errors.append((line, "(line)", "truncated line: no newline at end of file"))
+        chunk.lines, chunk.records = _check_lines(handle, end - start, path, record_type, last, chunk)
+    return chunk
+
+
+def _check_lines(handle: BinaryIO, size: int, path: Path, record_type: type[Record], last: bool,
+                 chunk: _Chunk) -> tuple[int, int]:
+    """(lines, records) of the next `size` bytes of `handle`; errors and episode keys go into `chunk`."""
+    decode = msgspec.json.Decoder(record_type).decode
+    check = {Trajectory: _check_trajectory, TrainingRow: _check_row}.get(record_type)
+    keyed = record_type is Trajectory
+    errors, keys, key_lines = chunk.errors, chunk.keys, chunk.key_lines
+    line = records = 0
+    # The loop runs once per record: the common case (a well-formed current record) stays on locals, and
+    # decode_line, which names what is wrong, runs only for a line the plain decode refused.
+    for raw in handle:
+        if size <= 0:
+            break  # the next range's first line
+        line += 1
+        size -= len(raw)
+        if last and not raw.endswith(b"\n"):
+            errors.append((line, "(line)", "truncated line: no newline at end of file"))
             break
         try:
-            record = decode_line(raw, record_type, decoder, path, line)
-        except RecordError as error:
-            chunk.errors.append((line, error.field, error.message))
-        else:
-            chunk.records += 1
-            if isinstance(record, Trajectory):
-                chunk.keys.append(f"{record.stage}\0{record.episode_id}")
-                chunk.key_lines.append(line)
-                problems = _check_trajectory(record)
-            else:
-                problems = _check_row(record) if isinstance(record, TrainingRow) else []
-            chunk.errors.extend((line, name, message) for name, message in problems)
-        if len(chunk.errors) >= MAX_ERRORS_PER_FILE:
-            break
-    return chunk
+            record = decode(raw)
+            if getattr(record, "version", SUPPORTED_VERSION) > SUPPORTED_VERSION:
+                raise msgspec.ValidationError
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            try:
+                record = decode_line(raw, record_type, msgspec.json.Decoder(record_type), path, line)
+            except RecordError as error:
+                errors.append((line, error.field, error.message))
+                if len(errors) >= MAX_ERRORS_PER_FILE:
+                    break
+                continue
+        records += 1
+        if keyed:
+            keys.append(f"{record.stage}\0{record.episode_id}")
+            key_lines.append(line)
+        problems = check(record) if check is not None else None
+        if problems:
+            errors.extend((line, name, message) for name, message in problems)
+            if len(errors) >= MAX_ERRORS_PER_FILE:
+                break
+    return line, records
 
 
 def _ranges(path: Path, size: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -227,17 +260,16 @@ def validate_file(path: Path, workers: int | None = None) -> FileReport:
     with contextlib.ExitStack() as stack:
         if workers > 1:
             pool = stack.enter_context(multiprocessing.get_context("fork").Pool(min(workers, len(jobs))))
-            chunks = pool.imap(_check_range_job, jobs)
+            chunks = _in_order(pool, jobs, window=2 * workers)
         else:
             chunks = map(_check_range_job, jobs)
         for chunk in chunks:
             report.records += chunk.records
             errors.extend(RecordError(path, first_line + line, name, message) for line, name, message in chunk.errors)
-            for key, line in zip(chunk.keys, chunk.key_lines):
-                if not seen.add(key):
-                    stage, episode_id = key.split("\0", 1)
-                    errors.append(RecordError(path, first_line + line, "episode_id",
-                                              f"duplicate episode id {episode_id!r} in stage {stage!r}"))
+            for index in seen.add_many(chunk.keys):
+                stage, episode_id = chunk.keys[index].split("\0", 1)
+                errors.append(RecordError(path, first_line + chunk.key_lines[index], "episode_id",
+                                          f"duplicate episode id {episode_id!r} in stage {stage!r}"))
             first_line += chunk.lines
             if len(errors) >= MAX_ERRORS_PER_FILE:
                 break  # the first errors in the file are in: later ranges can only add later lines
@@ -245,6 +277,18 @@ def validate_file(path: Path, workers: int | None = None) -> FileReport:
     report.errors = errors[:MAX_ERRORS_PER_FILE]
     report.truncated_errors = len(errors) > MAX_ERRORS_PER_FILE
     return report
+
+
+def _in_order(pool: multiprocessing.pool.Pool, jobs: list, window: int) -> Iterator[_Chunk]:
+    """The jobs' chunks in order, at most `window` of them handed out and not yet taken, so a parent slower
+    than its workers (duplicate checks in SQLite) does not pile up their results in memory."""
+    pending: collections.deque = collections.deque()
+    for job in jobs:
+        pending.append(pool.apply_async(_check_range_job, (job,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
 
 
 def _check_range_job(job: tuple[Path, type[Record], int, int, bool]) -> _Chunk:

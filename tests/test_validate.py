@@ -123,9 +123,11 @@ def test_cli_never_prints_a_traceback(tmp_path):
     assert f"{path}:1" in result.stderr.replace("\n", "")
 
 
-def test_a_file_checked_in_ranges_on_worker_processes_gives_the_same_report(tmp_path, episodes, monkeypatch):
+@pytest.mark.parametrize("range_bytes", [1, 1000], ids=["a range per line", "ranges of lines"])
+def test_a_file_checked_in_ranges_on_worker_processes_gives_the_same_report(tmp_path, episodes, monkeypatch,
+                                                                            range_bytes):
     """Large files are validated in byte ranges on several processes: errors keep their file line numbers and
-    order, and a duplicate episode id is found across ranges."""
+    order (a bad line that ends its range too), and a duplicate episode id is found across ranges."""
     from runner import _validate
 
     path = tmp_path / "trajectories.jsonl"
@@ -137,8 +139,9 @@ def test_a_file_checked_in_ranges_on_worker_processes_gives_the_same_report(tmp_
     path.write_bytes(b"".join(body))
     sequential = _validate.validate_file(path, workers=1)
     monkeypatch.setattr(_validate, "PARALLEL_FROM_BYTES", 0)
-    monkeypatch.setattr(_validate, "MIN_CHUNK_BYTES", 1000)
-    assert len(_validate._ranges(path, path.stat().st_size, 1000)) > 10
+    monkeypatch.setattr(_validate, "MIN_CHUNK_BYTES", range_bytes)
+    monkeypatch.setattr(_validate, "CHUNK_BYTES", range_bytes)
+    assert len(_validate._ranges(path, path.stat().st_size, range_bytes)) > 10
     parallel = _validate.validate_file(path, workers=2)
     found = [(e.line, e.field) for e in parallel.errors]
     assert found == [(e.line, e.field) for e in sequential.errors] == [(8, "step"), (51, "episode_id"), (91, "(record)")]

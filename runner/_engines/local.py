@@ -8,6 +8,7 @@ wall-clock limit that kills the whole group.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -45,8 +46,15 @@ ENV_MARKER = ".runner-env.json"
 LOCAL_MARKER = ".runner-local.json"
 
 
+@functools.cache
 def find_python(version: str) -> tuple[Path, str]:
-    """An interpreter whose version starts with `version` (e.g. "3.11"), and its full version."""
+    """An interpreter whose version starts with `version` (e.g. "3.11"), and its full version: the one running
+    the runner when it is that version (asked nothing), else the first on PATH, /usr/bin, /usr/local/bin or
+    pyenv's versions that says it is (a PATH entry may be a pyenv shim, slow to start)."""
+    own = platform.python_version()
+    base = Path(getattr(sys, "_base_executable", "") or sys.executable)
+    if (own.startswith(version + ".") or own == version) and os.access(base, os.X_OK):
+        return base, own
     candidates = [shutil.which(f"python{version}"), f"/usr/bin/python{version}", f"/usr/local/bin/python{version}"]
     candidates += sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}")),
                          reverse=True)
