@@ -48,8 +48,9 @@ def main() -> None:
         rate, first = arm["throughput"].get("rollouts_per_s"), arm["time_to_first_reproducible_update_s"]
         server = batching.get(name) or {}
         print(f"{name:16}{rate:>11.1f}{rate / trl_rate:>7.2f}{first:>16.1f}  "
-              + (f"{server.get('calls')} calls, {server.get('decode_steps')} steps, {server.get('mean_rows')} rows "
-                 f"per step, model {server.get('model_s')} s" if server else "-"))
+              + (f"{server.get('calls')} calls ({server.get('prefills_shared')} from a shared prefill), "
+                 f"{server.get('decode_steps')} steps, {server.get('mean_rows')} rows per step, "
+                 f"model {server.get('model_s')} s" if server else "-"))
     record("arms", [
         *(figure(f"{name} train-stage rollouts/s", arm["throughput"]["rollouts_per_s"], "/s", "trl arm, same run",
                  trl_rate, goal=">= 0.8", note="same tokens as one-at-a-time sampling")

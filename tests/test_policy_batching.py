@@ -1,6 +1,7 @@
 """The policy server's continuous batching is batch-invariant: many concurrent episodes sampled batched get
 the token ids and logprobs (bit for bit) that one-at-a-time sampling gives them, whatever shares their
-decode steps; a model the server cannot batch exactly is sampled one call at a time, and says why.
+decode steps and when they start from another call's prefill of the same prompt; a model the server
+cannot batch exactly is sampled one call at a time, and says why.
 
 Runs the trl stack's PolicyServer on the cached tiny calc policy in the trl environment (real HTTP on
 127.0.0.1, real concurrent clients). Slow: needs the trl environment and the tiny policy (built once,
@@ -46,6 +47,8 @@ def test_concurrent_episodes_sampled_batched_equal_one_at_a_time_bit_for_bit(trl
     assert batched["mode"] == "batched" and "reason" not in batched, batched
     # Calls really shared decode steps: greedy, top-k and top-p calls side by side in one forward pass.
     assert batched["max_rows"] >= 8 and batched["mean_rows"] > 2, batched
+    # Episodes asking the same question started from one prefill of it, and sampled what they sample alone.
+    assert batched["prefills_shared"] > 0 and found["alone"]["prefills_shared"] == 0, batched
     assert batched["rows_decoded"] + batched["calls"] >= found["tokens"]
 
 

@@ -17,18 +17,25 @@ batch. Two things make the shared forward pass exact:
 Everything else in a decoder layer (norms, rotary embeddings, activations) is row-wise already. Each
 sampler checks this on its model before it batches (`batch_invariance`): two prompts decoded together must
 give the logits they give alone, bit for bit, or it samples one call at a time and says why.
+
+A call whose prompt the batcher prefilled a moment ago (another sample of the same group) starts from a
+copy of that prefill: a prefill is a function of the prompt's ids and the weights alone, so the copy is
+what the call would compute, bit for bit (`_SharedPrefills`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 MAX_ROWS = 64  # calls decoded together; more wait for a free row
+SHARED_PREFILL_TOKENS = 32_768  # prompt tokens whose prefills are kept for the same prompt's other calls
 
 
 def processed_logprobs(logits, temperature: float, top_p: float, top_k: int):
@@ -95,6 +102,54 @@ class _Call:
         self.finish, self.error = finish, error
         self.done.set()
         return True
+
+
+class _SharedPrefills:
+    """Recent prefills by prompt ids, at most `max_tokens` prompt tokens of them, least recently used first out.
+
+    Kept only while the weights are the ones that computed them (each parameter's storage and version
+    counter, which every in-place update bumps) and while the batcher has work: it clears them when it goes
+    idle, which is when a trainer updates the weights between rollout batches (an update through `.data`
+    bumps no counter)."""
+
+    def __init__(self, model, max_tokens: int = SHARED_PREFILL_TOKENS):
+        self.model, self.max_tokens = model, max_tokens
+        self._kept: OrderedDict[tuple[int, ...], tuple] = OrderedDict()
+        self._tokens = 0
+        self._weights: tuple = ()
+
+    def get(self, prompt_ids: tuple[int, ...]) -> tuple | None:
+        """(last position's logits, a KV cache of its own) of an earlier prefill of these ids, or None."""
+        weights = tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+        if weights != self._weights:
+            self.clear()
+            self._weights = weights
+        kept = self._kept.get(prompt_ids)
+        if kept is None:
+            return None
+        self._kept.move_to_end(prompt_ids)
+        return kept[0], _copy_cache(kept[1])
+
+    def put(self, prompt_ids: tuple[int, ...], logits, cache) -> None:
+        if len(prompt_ids) > self.max_tokens:
+            return
+        self._kept[prompt_ids] = (logits, _copy_cache(cache))
+        self._tokens += len(prompt_ids)
+        while self._tokens > self.max_tokens:
+            oldest, _ = self._kept.popitem(last=False)
+            self._tokens -= len(oldest)
+
+    def clear(self) -> None:
+        self._kept.clear()
+        self._tokens = 0
+
+
+def _copy_cache(cache):
+    """A cache with layers of its own over the same tensors: updates replace a layer's tensors (torch.cat,
+    index_select), never write into them, so neither copy sees the other's."""
+    clone = copy.copy(cache)
+    clone.layers = [copy.copy(layer) for layer in cache.layers]
+    return clone
 
 
 class _Rowwise:
@@ -190,8 +245,10 @@ class BatchingSampler:
 
     def __init__(self, model, eos_ids: set[int], *, max_rows: int = MAX_ROWS):
         self.model, self.eos_ids, self.max_rows = model, eos_ids, max_rows
-        self.stats = {"calls": 0, "decode_steps": 0, "rows_decoded": 0, "max_rows": 0, "model_s": 0.0}
+        self.stats = {"calls": 0, "decode_steps": 0, "rows_decoded": 0, "max_rows": 0, "prefills_shared": 0,
+                      "model_s": 0.0}
         self._rowwise = _Rowwise(model)
+        self._shared = _SharedPrefills(model)
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # one at a time: the model is shared
         self._stats_lock = threading.Lock()
@@ -240,10 +297,11 @@ class BatchingSampler:
     def _alone(self, call: _Call) -> None:
         import torch
 
-        output = self._prefill(call)
-        while not call.take(output.logits[0, -1]):
+        logits, cache = self._prefill(call)
+        while not call.take(logits):
             output = self.model(input_ids=torch.tensor([[call.ids[-1]]], device=self.model.device),
-                                past_key_values=output.past_key_values, use_cache=True)
+                                past_key_values=cache, use_cache=True)
+            logits, cache = output.logits[0, -1], output.past_key_values
 
     @contextlib.contextmanager
     def _inference(self):
@@ -265,6 +323,7 @@ class BatchingSampler:
         cache = None
         while True:
             if not active and not waiting:
+                self._shared.clear()
                 waiting.append(self._queue.get())
             with contextlib.suppress(queue.Empty):
                 while True:
@@ -296,15 +355,26 @@ class BatchingSampler:
             self.stats["model_s"] += time.monotonic() - started
 
     def _admit(self, call: _Call) -> list:
-        """Prefills `call` alone and samples its first token: [(call, its cache)] while it goes on, else []."""
-        output = self._prefill(call)
-        return [] if call.take(output.logits[0, -1]) else [(call, output.past_key_values)]
+        """Prefills `call` alone (or takes the same prompt's recent prefill) and samples its first token:
+        [(call, its cache)] while it goes on, else []."""
+        prompt = tuple(call.prompt_ids)
+        shared = self._shared.get(prompt)
+        if shared is not None:
+            call.length = len(prompt)
+            logits, cache = shared
+            self.stats["prefills_shared"] += 1
+        else:
+            logits, cache = self._prefill(call)
+            self._shared.put(prompt, logits, cache)
+        return [] if call.take(logits) else [(call, cache)]
 
     def _prefill(self, call: _Call):
+        """(the prompt's last-position logits, its KV cache)."""
         import torch
 
         call.length = len(call.prompt_ids)
-        return self.model(input_ids=torch.tensor([call.prompt_ids], device=self.model.device), use_cache=True)
+        output = self.model(input_ids=torch.tensor([call.prompt_ids], device=self.model.device), use_cache=True)
+        return output.logits[0, -1].clone(), output.past_key_values
 
     def _decode(self, calls: list[_Call], tokens: list[int], cache):
         """One forward pass over `tokens`, each the next token of its call, row-wise."""
@@ -372,14 +442,15 @@ class BatchingSampler:
         with self._inference():
             alone = []
             for call in calls:
-                output = self._prefill(call)
+                _, cache = self._prefill(call)
                 logits = []
                 for step in range(steps):
                     output = self.model(input_ids=torch.tensor([[call.prompt_ids[step]]], device=self.model.device),
-                                        past_key_values=output.past_key_values, use_cache=True)
+                                        past_key_values=cache, use_cache=True)
+                    cache = output.past_key_values
                     logits.append(output.logits[0, -1])
                 alone.append(logits)
-            prefilled = [self._prefill(call).past_key_values for call in calls]
+            prefilled = [self._prefill(call)[1] for call in calls]
             if not all(type(layer) is DynamicLayer for cache in prefilled for layer in cache.layers):
                 return "the model's KV cache is not a plain DynamicCache (sliding window or static)"
             cache = _join(None, prefilled)

@@ -37,10 +37,12 @@ def post(url: str, body: dict, episode: str) -> dict:
 
 def episode(tokenizer, base_url: str, i: int) -> None:
     """A calc-tool train item in two turns: the question, then the conversation with the tool's result (or a
-    nudge, when no tool was called). Every third episode greedy, the others hot with top-k or top-p; every
-    fourth episode's second turn token-in/token-out."""
+    nudge, when no tool was called). Two episodes ask each question, as a group's samples do (the second may
+    start from the first one's prefill). Every third episode greedy, the others hot with top-k or top-p;
+    every fourth episode's second turn token-in/token-out."""
     family = get_family("calc-tool")
-    item = family.generate("train", i + 1, 0)[i]
+    question = i // 2
+    item = family.generate("train", question + 1, 0)[question]
     tools = openai_tools(family)
     params = [{"temperature": 0.0}, {"temperature": 1.3, "top_k": 20}, {"temperature": 0.9, "top_p": 0.8}][i % 3]
     messages = [{"role": "system", "content": family.system_prompt}, {"role": "user", "content": item.question}]
