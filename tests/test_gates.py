@@ -144,3 +144,23 @@ def test_the_service_gate_expects_every_scripted_case_of_the_plan():
             "recorded no policy call": (cases, [])}.items():
         gate, _ = scripted_episodes_gate(plan, their_cases, their_calls)
         assert not gate.passed and lie in gate.detail, (lie, gate)
+
+
+def test_records_audited_a_batch_at_a_time_give_the_audit_of_one_batch(episodes, monkeypatch):
+    """Episodes are stored, and rows checked, BATCH at a time: a duplicate episode in a later batch, rows whose
+    episodes were stored batches before them and a row naming an unknown episode are found as in one batch."""
+    from qualification.gates import trace
+
+    trajectories, rows = episodes
+    trajectories = [*trajectories, trajectories[0]]
+    rows = [*rows[::-1], msgspec.structs.replace(rows[0], row_id="stray", episode_ids=["no-such-episode"])]
+    whole, whole_audit = audit(trajectories, rows)
+    monkeypatch.setattr(trace, "BATCH", 2)
+    batched, batched_audit = audit(trajectories, rows)
+    assert {name: (g.passed, g.measured, g.detail) for name, g in batched.items()} == {
+        name: (g.passed, g.measured, g.detail) for name, g in whole.items()}
+    assert f"episode {trajectories[0].episode_id} appears twice" in batched["trace:unique-episodes"].detail
+    assert "no-such-episode" in batched["trace:every-episode-trained"].detail
+    assert batched["trace:mask-provenance"].passed and batched["trace:trained-equals-sampled"].passed
+    assert batched_audit.counts == whole_audit.counts
+    assert batched_audit.mismatch.summary()["overall"]["tokens"] == 16

@@ -60,3 +60,25 @@ def test_no_pairs_fail_the_gate_and_non_finite_logprobs_are_refused():
     assert not panel.gate().passed and panel.gate().detail == "no trainer logprobs to compare"
     with pytest.raises(ValueError, match="step 4: a logprob is not finite"):
         panel.add(4, [float("-inf")], [-1.0])
+
+
+def test_pairs_reduced_in_several_flushes_give_the_figures_of_one(monkeypatch):
+    """Pairs wait in arrays and numpy reduces them FLUSH_TOKENS at a time: a step split across flushes, and a
+    flush in the middle of the run, change no figure."""
+    from qualification.gates import mismatch
+
+    sequences = [(1 + k // 3, [-1.0 - 0.1 * k, -0.5 + 0.05 * k], [-1.0, -0.5 + 0.3 * (k % 2)]) for k in range(9)]
+    whole = MismatchPanel()
+    for step, trainer, sampler in sequences:
+        whole.add(step, trainer, sampler)
+    monkeypatch.setattr(mismatch, "FLUSH_TOKENS", 3)
+    pieces = MismatchPanel()
+    for step, trainer, sampler in sequences:
+        pieces.add(step, trainer, sampler)
+    expected, found = whole.summary(), pieces.summary()
+    assert found["per_step"].keys() == expected["per_step"].keys() == {1, 2, 3}
+    for step in (1, 2, 3):
+        assert found["per_step"][step] == pytest.approx(expected["per_step"][step], rel=1e-12)
+    assert found["overall"] == pytest.approx(expected["overall"], rel=1e-12)
+    assert found["overall"]["tokens"] == 18 and found["overall"]["sequences"] == 9
+    assert pieces.max_abs_diff() == pytest.approx(max(abs(t - s) for _, ts, ss in sequences for t, s in zip(ts, ss)))

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from bisect import bisect_right
-from itertools import repeat
-from operator import mul, sub
+from array import array
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -23,6 +21,9 @@ from dataclasses import dataclass, field
 from runner_contracts import GateResult
 
 BAND_LOG = math.log(2.0)  # ratios in [0.5, 2] are |d| <= ln 2; compared in log space, so r = exp(ln 2) counts as 2
+
+
+FLUSH_TOKENS = 1 << 18  # pairs that wait before numpy reduces them (2 x 2 MB of doubles)
 
 
 @dataclass
@@ -42,22 +43,22 @@ class _Figures:
     outside: int = 0
     sum_mult: float = 0.0
 
-    def add(self, terms: tuple) -> None:
-        """Adds one sequence's `sequence_terms`."""
-        (tokens, sum_abs, max_abs, sum_d, sum_k3, sum_chi2, sum_r, sum_r2, min_r, max_r, outside, sum_mult) = terms
-        self.tokens += tokens
-        self.sequences += 1
-        self.sum_abs += sum_abs
-        self.max_abs = max(self.max_abs, max_abs)
-        self.sum_neg_d -= sum_d
-        self.sum_k3 += sum_k3
-        self.sum_chi2 += sum_chi2
-        self.sum_chi2_sequence += (math.exp(sum_d) - 1.0) ** 2
-        self.sum_r += sum_r
-        self.sum_r2 += sum_r2
-        self.min_r, self.max_r = min(self.min_r, min_r), max(self.max_r, max_r)
-        self.outside += outside
-        self.sum_mult += sum_mult
+    def add(self, sequences, pick=slice(None)) -> None:
+        """Adds the sequences `pick` selects from `_Sequences` (numpy arrays, one entry per sequence)."""
+        self.tokens += int(sequences.tokens[pick].sum())
+        self.sequences += int(sequences.tokens[pick].size)
+        self.sum_abs += float(sequences.sum_abs[pick].sum())
+        self.max_abs = max(self.max_abs, float(sequences.max_abs[pick].max()))
+        self.sum_neg_d -= float(sequences.sum_d[pick].sum())
+        self.sum_k3 += float(sequences.sum_k3[pick].sum())
+        self.sum_chi2 += float(sequences.sum_chi2[pick].sum())
+        self.sum_chi2_sequence += float(sequences.chi2_sequence[pick].sum())
+        self.sum_r += float(sequences.sum_r[pick].sum())
+        self.sum_r2 += float(sequences.sum_r2[pick].sum())
+        self.min_r = min(self.min_r, float(sequences.min_r[pick].min()))
+        self.max_r = max(self.max_r, float(sequences.max_r[pick].max()))
+        self.outside += int(sequences.outside[pick].sum())
+        self.sum_mult += float(sequences.sum_mult[pick].sum())
 
     def summary(self) -> dict[str, float | int | None]:
         n = self.tokens
@@ -77,37 +78,82 @@ class _Figures:
         }
 
 
-def sequence_terms(trainer: Sequence[float], sampler: Sequence[float]) -> tuple:
-    """One sequence's sums over its tokens, each per-token term as the module docstring writes it (summed in C)."""
-    d = list(map(sub, trainer, sampler))
-    if len(d) != len(trainer) or len(d) != len(sampler):
-        raise ValueError(f"{len(trainer)} trainer logprobs but {len(sampler)} sampler logprobs")
-    abs_d = list(map(abs, d))
-    r = list(map(math.exp, d))
-    r_minus_1 = list(map(sub, r, repeat(1.0, len(r))))
-    return (len(d), sum(abs_d), max(abs_d, default=0.0), sum(d), sum(map(sub, r_minus_1, d)),
-            sum(map(mul, r_minus_1, r_minus_1)), sum(r), sum(map(mul, r, r)), min(r, default=math.inf),
-            max(r, default=0.0), len(abs_d) - bisect_right(sorted(abs_d), BAND_LOG + 1e-12), sum(map(math.exp, abs_d)))
+class _Sequences:
+    """Each waiting sequence's sums over its tokens, each per-token term as the module docstring writes it,
+    reduced with numpy over all waiting pairs at once."""
+
+    def __init__(self, steps: array, lengths: array, trainer: array, sampler: array):
+        import numpy as np
+
+        self.steps = np.frombuffer(steps, dtype=np.int64)
+        self.tokens = np.frombuffer(lengths, dtype=np.int64)
+        d = np.frombuffer(trainer, dtype=np.float64) - np.frombuffer(sampler, dtype=np.float64)
+        starts = np.concatenate(([0], np.cumsum(self.tokens)[:-1]))
+        abs_d, r = np.abs(d), np.exp(d)
+        r_minus_1 = r - 1.0
+        self.sum_abs, self.max_abs = np.add.reduceat(abs_d, starts), np.maximum.reduceat(abs_d, starts)
+        self.sum_d = np.add.reduceat(d, starts)
+        self.sum_k3 = np.add.reduceat(r_minus_1 - d, starts)
+        self.sum_chi2 = np.add.reduceat(r_minus_1 * r_minus_1, starts)
+        self.chi2_sequence = np.expm1(self.sum_d) ** 2
+        self.sum_r, self.sum_r2 = np.add.reduceat(r, starts), np.add.reduceat(r * r, starts)
+        self.min_r, self.max_r = np.minimum.reduceat(r, starts), np.maximum.reduceat(r, starts)
+        self.outside = np.add.reduceat((abs_d > BAND_LOG + 1e-12).astype(np.int64), starts)
+        self.sum_mult = np.add.reduceat(np.exp(abs_d), starts)
+
+
+def _nothing_waiting() -> tuple[array, array, array, array]:
+    """(steps, lengths, trainer logprobs, sampler logprobs) of the sequences waiting to be reduced."""
+    return array("q"), array("q"), array("d"), array("d")
 
 
 @dataclass
 class MismatchPanel:
-    """Accumulates (trainer, sampler) logprob pairs per training step; one add() is one sequence."""
+    """Accumulates (trainer, sampler) logprob pairs per training step; one add() is one sequence. Pairs wait
+    in typed arrays and are reduced with numpy FLUSH_TOKENS at a time, in memory that does not grow."""
 
     steps: dict[int, _Figures] = field(default_factory=lambda: defaultdict(_Figures))
     overall: _Figures = field(default_factory=_Figures)
 
+    def __post_init__(self) -> None:
+        self._waiting = _nothing_waiting()
+
     def add(self, step: int, trainer: Sequence[float], sampler: Sequence[float]) -> None:
         if not trainer:
             return
-        if not (all(map(math.isfinite, trainer)) and all(map(math.isfinite, sampler))):
+        if len(trainer) != len(sampler):
+            raise ValueError(f"{len(trainer)} trainer logprobs but {len(sampler)} sampler logprobs")
+        # A finite sum means every value is finite: the common case, checked in C.
+        if not (math.isfinite(sum(trainer)) and math.isfinite(sum(sampler))) and not (
+                all(map(math.isfinite, trainer)) and all(map(math.isfinite, sampler))):
             raise ValueError(f"step {step}: a logprob is not finite")
-        terms = sequence_terms(trainer, sampler)
-        self.steps[step].add(terms)
-        self.overall.add(terms)
+        steps, lengths, trainers, samplers = self._waiting
+        steps.append(step)
+        lengths.append(len(trainer))
+        trainers.extend(trainer)
+        samplers.extend(sampler)
+        if len(trainers) >= FLUSH_TOKENS:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        if not self._waiting[0]:
+            return
+        import numpy as np
+
+        sequences = _Sequences(*self._waiting)
+        self.overall.add(sequences)
+        for step in np.unique(sequences.steps).tolist():
+            self.steps[step].add(sequences, sequences.steps == step)
+        self._waiting = _nothing_waiting()
+
+    def max_abs_diff(self) -> float:
+        """max |log p_train - log p_sample| over every pair added (0.0 when none)."""
+        self._reduce()
+        return self.overall.max_abs
 
     def summary(self) -> dict:
         """{"overall": figures, "per_step": {step: figures}, "median_token_mult_prob_error": x}."""
+        self._reduce()
         per_step = {step: figures.summary() for step, figures in sorted(self.steps.items())}
         errors = [f["token_mult_prob_error"] for f in per_step.values() if f.get("tokens")]
         return {"overall": self.overall.summary(), "per_step": per_step,

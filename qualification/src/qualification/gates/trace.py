@@ -2,7 +2,8 @@
 
 Nothing the adapter claims is taken on trust: tokens, masks, logprobs, groups and revisions are all
 checked against each other. Episodes wait for their training rows in an SQLite file in a temporary
-folder, so the audit's memory does not grow with the number of episodes.
+folder, so the audit's memory does not grow with the number of episodes; they are stored and looked up
+BATCH records at a time (one statement per batch, not one per record).
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ import sqlite3
 import tempfile
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import compress
-from operator import sub
 from pathlib import Path
 
 from runner_contracts import GateResult, TrainingRow, Trajectory
@@ -24,6 +24,8 @@ from .mismatch import MismatchPanel
 
 MAX_EXAMPLES = 3
 POLICY, OTHER = b"\x01", b"\x00"
+BATCH = 512  # trajectories stored, or training rows checked, together
+_IN_LIMIT = 500  # ids in one "IN (...)": well under SQLite's limit on parameters
 
 
 class ScratchDatabase:
@@ -37,35 +39,50 @@ class ScratchDatabase:
 
 
 class _EpisodeStore:
-    """Each episode's tokens, provenance, policy tokens and logprobs (typed arrays as blobs) by episode id, and
-    every trajectory's group and reward, in an SQLite file that is deleted with the store."""
+    """Each episode's tokens, provenance (one byte a token, 1 for the policy's) and policy logprobs (typed arrays
+    as blobs) by episode id, and every trajectory's group and reward, in an SQLite file that is deleted with
+    the store."""
 
     def __init__(self) -> None:
         self._scratch = ScratchDatabase("audit", """
             CREATE TABLE episodes (id TEXT PRIMARY KEY, step INTEGER, revision TEXT, group_id TEXT, reward REAL,
-                                   tokens BLOB, is_policy BLOB, policy_tokens BLOB, policy_logprobs BLOB,
-                                   trained INTEGER);
+                                   tokens BLOB, is_policy BLOB, policy_logprobs BLOB, trained INTEGER);
             CREATE TABLE duplicates (group_id TEXT, reward REAL);""")
         self.db = self._scratch.db
 
-    def add(self, episode_id: str, step: int, revision: str, group_id: str, reward: float, tokens: array,
-            is_policy: bytes, policy_tokens: array, policy_logprobs: array) -> bool:
-        """Stores the episode; False when its id was stored already (the first is kept, the group counts both)."""
-        stored = self.db.execute("INSERT OR IGNORE INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
-                                 (episode_id, step, revision, group_id, reward, tokens.tobytes(), is_policy,
-                                  policy_tokens.tobytes(), policy_logprobs.tobytes()))
-        if stored.rowcount == 1:
-            return True
-        self.db.execute("INSERT INTO duplicates VALUES (?, ?)", (group_id, reward))
-        return False
+    def add(self, episodes: list[tuple]) -> list[bool]:
+        """Stores episodes given as (id, step, revision, group id, reward, tokens, is_policy, policy logprobs),
+        the last three as bytes; for each, False when its id was stored already (the first is kept, the group
+        counts both)."""
+        known = {row[0] for cursor in self._in_parts("SELECT id FROM episodes WHERE id IN ({})",
+                                                     [episode[0] for episode in episodes]) for row in cursor}
+        stored, fresh = [], []
+        for episode in episodes:
+            new = episode[0] not in known
+            known.add(episode[0])
+            stored.append(new)
+            if new:
+                fresh.append(episode)
+            else:
+                self.db.execute("INSERT INTO duplicates VALUES (?, ?)", (episode[3], episode[4]))
+        self.db.executemany("INSERT INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)", fresh)
+        return stored
 
-    def get(self, episode_id: str) -> tuple[bytes, bytes, bytes, bytes] | None:
-        """(tokens, is_policy, policy tokens, policy logprobs) as stored, or None."""
-        return self.db.execute("SELECT tokens, is_policy, policy_tokens, policy_logprobs FROM episodes WHERE id = ?",
-                               (episode_id,)).fetchone()
+    def get(self, episode_ids: set[str]) -> dict[str, tuple[bytes, bytes, bytes]]:
+        """Each stored episode's (tokens, is_policy, policy logprobs) by id."""
+        return {row[0]: row[1:] for cursor in self._in_parts(
+            "SELECT id, tokens, is_policy, policy_logprobs FROM episodes WHERE id IN ({})",
+            list(episode_ids)) for row in cursor}
 
-    def mark_trained(self, episode_ids: list[str]) -> None:
-        self.db.executemany("UPDATE episodes SET trained = 1 WHERE id = ?", ((e,) for e in episode_ids))
+    def mark_trained(self, episode_ids: set[str]) -> None:
+        for cursor in self._in_parts("UPDATE episodes SET trained = 1 WHERE id IN ({})", list(episode_ids)):
+            cursor.close()
+
+    def _in_parts(self, statement: str, ids: list[str]) -> Iterator[sqlite3.Cursor]:
+        """`statement` run on each part of `ids` small enough for one "IN ({})" list."""
+        for start in range(0, len(ids), _IN_LIMIT):
+            part = ids[start:start + _IN_LIMIT]
+            yield self.db.execute(statement.format(", ".join("?" * len(part))), part)
 
     def groups(self) -> Iterable[tuple[str, int, int]]:
         """(group id, trajectories, distinct rewards) per group."""
@@ -106,10 +123,11 @@ class TraceAudit:
             self.problems[check].append(message)
 
     def add_trajectories(self, trajectories: Iterable[Trajectory]) -> None:
+        batch: list[tuple] = []
         for t in trajectories:
             self.counts["episodes"] += 1
-            tokens, policy_tokens, policy_logprobs, is_policy = array("q"), array("q"), array("d"), bytearray()
-            tool_segments = 0
+            tokens, policy_logprobs, is_policy = array("q"), array("d"), bytearray()
+            tool_segments = policy_tokens = 0
             for index, segment in enumerate(t.segments):
                 ids = segment.token_ids
                 if ids and max(ids) >= self.vocab_size:
@@ -124,7 +142,7 @@ class TraceAudit:
                                                        f"tokens but {got} logprobs")
                     else:
                         policy_logprobs.extend(segment.logprobs)
-                    policy_tokens.extend(ids)
+                    policy_tokens += len(ids)
                 elif segment.logprobs is not None:
                     self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {segment.source} segment "
                                                    "carries logprobs")
@@ -133,17 +151,35 @@ class TraceAudit:
                 is_policy += (POLICY if policy else OTHER) * len(ids)
             if not policy_tokens:
                 self._problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
-            self.counts["policy_tokens"] += len(policy_tokens)
+            self.counts["policy_tokens"] += policy_tokens
             self.counts["episodes_with_tool_calls"] += tool_segments > 0
             step = self.step_rewards.setdefault(t.step, [0.0, 0])
             step[0] += t.reward
             step[1] += 1
-            if not self._store.add(t.episode_id, t.step, t.policy_revision, t.group_id, t.reward, tokens,
-                                   bytes(is_policy), policy_tokens, policy_logprobs):
-                self._problem("unique-episodes", f"episode {t.episode_id} appears twice")
+            batch.append((t.episode_id, t.step, t.policy_revision, t.group_id, t.reward, tokens.tobytes(),
+                          bytes(is_policy), policy_logprobs.tobytes()))
+            if len(batch) >= BATCH:
+                self._store_episodes(batch)
+        self._store_episodes(batch)
+
+    def _store_episodes(self, batch: list[tuple]) -> None:
+        for episode, stored in zip(batch, self._store.add(batch), strict=True):
+            if not stored:
+                self._problem("unique-episodes", f"episode {episode[0]} appears twice")
+        batch.clear()
 
     def add_rows(self, rows: Iterable[TrainingRow]) -> None:
+        batch: list[TrainingRow] = []
         for row in rows:
+            batch.append(row)
+            if len(batch) >= BATCH:
+                self._check_rows(batch)
+        self._check_rows(batch)
+
+    def _check_rows(self, batch: list[TrainingRow]) -> None:
+        known = self._store.get({episode for row in batch for episode in row.episode_ids})
+        trained_ids: set[str] = set()
+        for row in batch:
             self.rows += 1
             if abs(row.advantage) > 0:
                 self.advantages_nonzero += 1
@@ -153,12 +189,12 @@ class TraceAudit:
             if len(lengths) != 1:
                 self._problem("lengths-vocab", f"row {row.row_id}: input_ids/loss_mask/old_logprobs lengths differ")
                 continue
-            episodes = [self._store.get(e) for e in row.episode_ids]
+            episodes = [known.get(e) for e in row.episode_ids]
             missing = [e for e, found in zip(row.episode_ids, episodes, strict=True) if found is None]
             if missing:
                 self._problem("every-episode-trained", f"row {row.row_id} names unknown episode(s) {missing[:3]}")
                 continue
-            self._store.mark_trained(row.episode_ids)
+            trained_ids.update(row.episode_ids)
             tokens = b"".join(episode[0] for episode in episodes)
             provenance = b"".join(episode[1] for episode in episodes)
             input_ids = array("q", row.input_ids)
@@ -169,33 +205,38 @@ class TraceAudit:
                                                  f"tokens (first difference at "
                                                  f"{_first_difference(row.input_ids, stored.tolist())})")
                 continue
-            if _mask_bytes(row.loss_mask) != provenance:
+            if _mask_bytes(row.loss_mask) == provenance:
+                # input_ids are the segment tokens and the mask is their provenance, so the trained tokens are
+                # the sampled policy tokens, in order: count them
+                self.counts["trained_tokens"] += provenance.count(POLICY)
+            else:
                 wrong = [i for i, (mask, policy) in enumerate(zip(row.loss_mask, provenance, strict=True))
                          if bool(mask) != bool(policy)]
                 if wrong:
                     self._problem("mask-provenance", f"row {row.row_id}: loss mask disagrees with provenance at "
                                                      f"positions {wrong[:5]}")
-            trained = array("q", compress(row.input_ids, row.loss_mask))
-            sampled = array("q")
-            sampled.frombytes(b"".join(episode[2] for episode in episodes))
-            self.counts["trained_tokens"] += len(trained)
-            if trained != sampled:
-                self._problem("trained-equals-sampled", f"row {row.row_id}: {len(trained)} trained tokens vs "
-                                                        f"{len(sampled)} sampled policy tokens")
+                trained = array("q", compress(row.input_ids, row.loss_mask))
+                sampled = array("q", compress(input_ids, provenance))
+                self.counts["trained_tokens"] += len(trained)
+                if trained != sampled:
+                    self._problem("trained-equals-sampled", f"row {row.row_id}: {len(trained)} trained tokens vs "
+                                                            f"{len(sampled)} sampled policy tokens")
             if row.old_logprobs is not None:
                 sampled_lp = array("d")
-                sampled_lp.frombytes(b"".join(episode[3] for episode in episodes))
-                recomputed = list(compress(row.old_logprobs, row.loss_mask))
-                sampled_lp = sampled_lp.tolist()
-                # A finite sum means every value is finite: the common case, computed in C.
-                finite = math.isfinite(sum(recomputed)) and math.isfinite(sum(sampled_lp))
-                gaps = (map(abs, map(sub, recomputed, sampled_lp)) if finite else
-                        (abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
-                         for a, b in zip(recomputed, sampled_lp, strict=False)))
-                self.max_logprob_gap = max(self.max_logprob_gap, max(gaps, default=0.0))
+                sampled_lp.frombytes(b"".join(episode[2] for episode in episodes))
+                recomputed = array("d", compress(row.old_logprobs, row.loss_mask))
                 self.counts["logprob_pairs"] += min(len(recomputed), len(sampled_lp))
-                if len(recomputed) == len(sampled_lp) and finite:
-                    self.mismatch.add(row.step, recomputed, sampled_lp)
+                if len(recomputed) == len(sampled_lp):
+                    try:  # the panel keeps max |trainer - sampler|: the gap, read in gates()
+                        self.mismatch.add(row.step, recomputed, sampled_lp)
+                        continue
+                    except ValueError:  # a logprob is not finite
+                        pass
+                gaps = (abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+                        for a, b in zip(recomputed, sampled_lp, strict=False))
+                self.max_logprob_gap = max(self.max_logprob_gap, max(gaps, default=0.0))
+        self._store.mark_trained(trained_ids)
+        batch.clear()
 
     def _result(self, name: str, check: str, *, measured=None, threshold=None, detail_ok: str = "") -> GateResult:
         problems = self.counts[f"problem:{check}"]
@@ -205,6 +246,7 @@ class TraceAudit:
                           threshold=threshold if threshold is not None else 0, detail=detail or detail_ok)
 
     def gates(self) -> list[GateResult]:
+        self.max_logprob_gap = max(self.max_logprob_gap, self.mismatch.max_abs_diff())
         groups = 0
         for group, size, _ in self._store.groups():
             groups += 1
