@@ -41,6 +41,18 @@ def leak(request):
         time.sleep(600)
     return StageResult(stage=request.stage)
 
+def tidy(request):
+    """Leaves work to a normal exit: a thread still running, an atexit handler, unflushed output."""
+    import atexit, threading
+    out = Path(request.out_dir)
+    def late():
+        time.sleep(0.3)
+        (out / "thread.done").write_text("joined")
+    threading.Thread(target=late).start()
+    atexit.register(lambda: (out / "atexit.done").write_text("ran"))
+    print("an unflushed line", end="")
+    return StageResult(stage=request.stage)
+
 def serve(request):
     start_orphan(request.out_dir)
     (Path(request.out_dir) / "service.json").write_text(json.dumps({"url": "http://127.0.0.1:1", "pid": os.getpid()}))
@@ -64,7 +76,7 @@ def adapter(tmp_path, monkeypatch):
         out_dir.mkdir(parents=True)
         request = write_record(out_dir / "request.json", StageRequest(
             run_id="run", stack="test", stage=stage, plan=plan, out_dir=str(out_dir), options=options))
-        entry = "leaky_adapter:serve" if stage == "serve" else "leaky_adapter:leak"
+        entry = {"serve": "leaky_adapter:serve", "tidy": "leaky_adapter:tidy"}.get(stage, "leaky_adapter:leak")
         env = {**scrubbed_env(Path(sys.executable).parent, out_dir / ".home"), "PYTHONPATH": str(package)}
         return [sys.executable, "-m", "runner_contracts.launch", entry, str(request)], out_dir, env
 
@@ -83,6 +95,17 @@ def test_a_job_ends_everything_it_started(adapter, options):
     assert outcome.exit_code == (1 if options else 0), outcome.stderr.read_text()
     assert gone(orphan_of(out_dir))
     assert leftover_processes(adapter.run_dir) == []
+
+
+def test_an_adapter_process_skips_only_the_interpreters_teardown(adapter):
+    """The launcher's adapter process ends without finalizing its modules, but as a normal exit otherwise:
+    its threads are joined, its atexit handlers run and its output is flushed."""
+    cmd, out_dir, env = adapter("tidy")
+    outcome = run_process(cmd, out_dir, env, timeout_s=60)
+    assert outcome.exit_code == 0, outcome.stderr.read_text()
+    assert (out_dir / "result.json").is_file()
+    assert (out_dir / "thread.done").read_text() == "joined" and (out_dir / "atexit.done").read_text() == "ran"
+    assert outcome.stdout.read_text() == "an unflushed line"
 
 
 def test_a_timed_out_job_is_ended_with_what_it_started(adapter):

@@ -23,7 +23,7 @@ from runner_contracts import GateResult
 BAND_LOG = math.log(2.0)  # ratios in [0.5, 2] are |d| <= ln 2; compared in log space, so r = exp(ln 2) counts as 2
 
 
-FLUSH_TOKENS = 1 << 18  # pairs that wait before numpy reduces them (2 x 2 MB of doubles)
+FLUSH_TOKENS = 1 << 16  # pairs that wait before numpy reduces them (2 x 512 KB of doubles)
 
 
 @dataclass
