@@ -13,7 +13,6 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
 
 import msgspec
 from qualification.gates import ScratchDatabase
@@ -24,7 +23,6 @@ from runner_contracts import (
     Evidence,
     Plan,
     Record,
-    SUPPORTED_VERSION,
     RecordError,
     ServiceCase,
     TrainingRow,
@@ -162,52 +160,34 @@ class _Chunk:
 def _check_range(path: Path, record_type: type[Record], start: int, end: int, last: bool) -> _Chunk:
     """Schema and per-record checks of the lines in [start, end), at most MAX_ERRORS_PER_FILE errors."""
     chunk = _Chunk()
+    decoder = msgspec.json.Decoder(record_type)
+    check = {Trajectory: _check_trajectory, TrainingRow: _check_row}.get(record_type)
+    errors, size = chunk.errors, end - start
     with open(path, "rb", buffering=1 << 20) as handle:
         handle.seek(start)
-        chunk.lines, chunk.records = _check_lines(handle, end - start, path, record_type, last, chunk)
-    return chunk
-
-
-def _check_lines(handle: BinaryIO, size: int, path: Path, record_type: type[Record], last: bool,
-                 chunk: _Chunk) -> tuple[int, int]:
-    """(lines, records) of the next `size` bytes of `handle`; errors and episode keys go into `chunk`."""
-    decode = msgspec.json.Decoder(record_type).decode
-    check = {Trajectory: _check_trajectory, TrainingRow: _check_row}.get(record_type)
-    keyed = record_type is Trajectory
-    errors, keys, key_lines = chunk.errors, chunk.keys, chunk.key_lines
-    line = records = 0
-    # The loop runs once per record: the common case (a well-formed current record) stays on locals, and
-    # decode_line, which names what is wrong, runs only for a line the plain decode refused.
-    for raw in handle:
-        if size <= 0:
-            break  # the next range's first line
-        line += 1
-        size -= len(raw)
-        if last and not raw.endswith(b"\n"):
-            errors.append((line, "(line)", "truncated line: no newline at end of file"))
-            break
-        try:
-            record = decode(raw)
-            if getattr(record, "version", SUPPORTED_VERSION) > SUPPORTED_VERSION:
-                raise msgspec.ValidationError
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        for raw in handle:
+            if size <= 0:
+                break  # the next range's first line
+            chunk.lines += 1
+            size -= len(raw)
+            if last and not raw.endswith(b"\n"):
+                errors.append((chunk.lines, "(line)", "truncated line: no newline at end of file"))
+                break
             try:
-                record = decode_line(raw, record_type, msgspec.json.Decoder(record_type), path, line)
+                record = decode_line(raw, record_type, decoder, path, chunk.lines)
             except RecordError as error:
-                errors.append((line, error.field, error.message))
-                if len(errors) >= MAX_ERRORS_PER_FILE:
-                    break
-                continue
-        records += 1
-        if keyed:
-            keys.append(f"{record.stage}\0{record.episode_id}")
-            key_lines.append(line)
-        problems = check(record) if check is not None else None
-        if problems:
-            errors.extend((line, name, message) for name, message in problems)
+                errors.append((chunk.lines, error.field, error.message))
+            else:
+                chunk.records += 1
+                if record_type is Trajectory:
+                    chunk.keys.append(f"{record.stage}\0{record.episode_id}")
+                    chunk.key_lines.append(chunk.lines)
+                problems = check(record) if check is not None else None
+                if problems:
+                    errors.extend((chunk.lines, name, message) for name, message in problems)
             if len(errors) >= MAX_ERRORS_PER_FILE:
                 break
-    return line, records
+    return chunk
 
 
 def _ranges(path: Path, size: int, chunk_bytes: int) -> list[tuple[int, int]]:
