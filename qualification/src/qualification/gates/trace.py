@@ -15,7 +15,7 @@ from array import array
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import compress, islice
 from pathlib import Path
 
 from runner_contracts import GateResult, TrainingRow, Trajectory
@@ -123,58 +123,50 @@ class TraceAudit:
             self.problems[check].append(message)
 
     def add_trajectories(self, trajectories: Iterable[Trajectory]) -> None:
-        batch: list[tuple] = []
-        for t in trajectories:
-            self.counts["episodes"] += 1
-            tokens, policy_logprobs, is_policy = array("q"), array("d"), bytearray()
-            tool_segments = policy_tokens = 0
-            for index, segment in enumerate(t.segments):
-                ids = segment.token_ids
-                if ids and max(ids) >= self.vocab_size:
-                    bad = [i for i in ids if i >= self.vocab_size]
-                    self._problem("lengths-vocab", f"{t.episode_id} segment {index}: ids {bad[:3]} >= vocab "
-                                                   f"{self.vocab_size}")
-                policy = segment.source == "policy"
-                if policy:
-                    if segment.logprobs is None or len(segment.logprobs) != len(ids):
-                        got = None if segment.logprobs is None else len(segment.logprobs)
-                        self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {len(ids)} "
-                                                       f"tokens but {got} logprobs")
-                    else:
-                        policy_logprobs.extend(segment.logprobs)
-                    policy_tokens += len(ids)
-                elif segment.logprobs is not None:
-                    self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {segment.source} segment "
-                                                   "carries logprobs")
-                tool_segments += segment.source in ("tool", "env")
-                tokens.extend(ids)
-                is_policy += (POLICY if policy else OTHER) * len(ids)
-            if not policy_tokens:
-                self._problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
-            self.counts["policy_tokens"] += policy_tokens
-            self.counts["episodes_with_tool_calls"] += tool_segments > 0
-            step = self.step_rewards.setdefault(t.step, [0.0, 0])
-            step[0] += t.reward
-            step[1] += 1
-            batch.append((t.episode_id, t.step, t.policy_revision, t.group_id, t.reward, tokens.tobytes(),
-                          bytes(is_policy), policy_logprobs.tobytes()))
-            if len(batch) >= BATCH:
-                self._store_episodes(batch)
-        self._store_episodes(batch)
+        for batch in _batches(map(self._episode, trajectories)):
+            for episode, stored in zip(batch, self._store.add(batch), strict=True):
+                if not stored:
+                    self._problem("unique-episodes", f"episode {episode[0]} appears twice")
 
-    def _store_episodes(self, batch: list[tuple]) -> None:
-        for episode, stored in zip(batch, self._store.add(batch), strict=True):
-            if not stored:
-                self._problem("unique-episodes", f"episode {episode[0]} appears twice")
-        batch.clear()
+    def _episode(self, t: Trajectory) -> tuple:
+        """Checks one trajectory and counts it; the row the store keeps of it."""
+        self.counts["episodes"] += 1
+        tokens, policy_logprobs, is_policy = array("q"), array("d"), bytearray()
+        tool_segments = policy_tokens = 0
+        for index, segment in enumerate(t.segments):
+            ids = segment.token_ids
+            if ids and max(ids) >= self.vocab_size:
+                bad = [i for i in ids if i >= self.vocab_size]
+                self._problem("lengths-vocab", f"{t.episode_id} segment {index}: ids {bad[:3]} >= vocab "
+                                               f"{self.vocab_size}")
+            policy = segment.source == "policy"
+            if policy:
+                if segment.logprobs is None or len(segment.logprobs) != len(ids):
+                    got = None if segment.logprobs is None else len(segment.logprobs)
+                    self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {len(ids)} "
+                                                   f"tokens but {got} logprobs")
+                else:
+                    policy_logprobs.extend(segment.logprobs)
+                policy_tokens += len(ids)
+            elif segment.logprobs is not None:
+                self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {segment.source} segment "
+                                               "carries logprobs")
+            tool_segments += segment.source in ("tool", "env")
+            tokens.extend(ids)
+            is_policy += (POLICY if policy else OTHER) * len(ids)
+        if not policy_tokens:
+            self._problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
+        self.counts["policy_tokens"] += policy_tokens
+        self.counts["episodes_with_tool_calls"] += tool_segments > 0
+        step = self.step_rewards.setdefault(t.step, [0.0, 0])
+        step[0] += t.reward
+        step[1] += 1
+        return (t.episode_id, t.step, t.policy_revision, t.group_id, t.reward, tokens.tobytes(),
+                bytes(is_policy), policy_logprobs.tobytes())
 
     def add_rows(self, rows: Iterable[TrainingRow]) -> None:
-        batch: list[TrainingRow] = []
-        for row in rows:
-            batch.append(row)
-            if len(batch) >= BATCH:
-                self._check_rows(batch)
-        self._check_rows(batch)
+        for batch in _batches(rows):
+            self._check_rows(batch)
 
     def _check_rows(self, batch: list[TrainingRow]) -> None:
         known = self._store.get({episode for row in batch for episode in row.episode_ids})
@@ -236,7 +228,6 @@ class TraceAudit:
                         for a, b in zip(recomputed, sampled_lp, strict=False))
                 self.max_logprob_gap = max(self.max_logprob_gap, max(gaps, default=0.0))
         self._store.mark_trained(trained_ids)
-        batch.clear()
 
     def _result(self, name: str, check: str, *, measured=None, threshold=None, detail_ok: str = "") -> GateResult:
         problems = self.counts[f"problem:{check}"]
@@ -315,6 +306,13 @@ class TraceAudit:
                           detail=(f"{len(wrong)} episode(s) name a revision that is not the checkpoint before their "
                                   f"step, e.g. {wrong[:3]}") if wrong else
                           "each step sampled by the previous checkpoint's weights")
+
+
+def _batches(records: Iterable) -> Iterator[list]:
+    """`records` in lists of BATCH (the last one shorter)."""
+    iterator = iter(records)
+    while batch := list(islice(iterator, BATCH)):
+        yield batch
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
