@@ -118,12 +118,16 @@ class _SharedPrefills:
         self._tokens = 0
         self._weights: tuple = ()
 
-    def get(self, prompt_ids: tuple[int, ...]) -> tuple | None:
-        """(last position's logits, a KV cache of its own) of an earlier prefill of these ids, or None."""
+    def check_weights(self) -> None:
+        """Forgets every kept prefill if the weights changed since the last check (once per admission round:
+        they cannot change while the batcher holds the model)."""
         weights = tuple((p.data_ptr(), p._version) for p in self.model.parameters())
         if weights != self._weights:
             self.clear()
             self._weights = weights
+
+    def get(self, prompt_ids: tuple[int, ...]) -> tuple | None:
+        """(last position's logits, a KV cache of its own) of an earlier prefill of these ids, or None."""
         kept = self._kept.get(prompt_ids)
         if kept is None:
             return None
@@ -336,6 +340,8 @@ class BatchingSampler:
             started = time.monotonic()
             with self._inference():
                 admitted = []
+                if waiting:
+                    self._shared.check_weights()
                 while waiting and len(active) + len(admitted) < self.max_rows:
                     call = waiting.pop(0)
                     try:
