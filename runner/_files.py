@@ -163,14 +163,24 @@ def _non_finite(data: Any, path: str = "") -> str | None:
     return None
 
 
+def _compose_and_load(text: str) -> tuple[yaml.Node | None, Any]:
+    """The node tree (with line marks) and the data, from one pass of libyaml's parser where PyYAML has it."""
+    loader = (yaml.CSafeLoader if yaml.__with_libyaml__ else yaml.SafeLoader)(text)
+    try:
+        root = loader.get_single_node()
+        return root, loader.construct_document(root) if root is not None else None
+    finally:
+        loader.dispose()
+
+
 def parse_yaml(path: Path, what: str, shape: str) -> tuple[dict, yaml.Node]:
     """The YAML mapping in `path` and its node tree (for yaml_line); refuses bad YAML, a document that is
     not a mapping (`shape` says what it should be), a key given twice and a non-finite number."""
     text = read_text(path, what)
     try:
-        root = yaml.compose(text)
+        root, data = _compose_and_load(text)
         # JSON is YAML, but YAML 1.1 reads JSON's 1e-06 as a string: a .json file is read as JSON
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else data
     except json.JSONDecodeError as error:
         raise UserError(f"{path}:{error.lineno}: not valid JSON: {error.msg}") from None
     except yaml.YAMLError as error:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 from dataclasses import dataclass, field
@@ -225,9 +226,16 @@ def load_manifest(path: Path) -> StackManifest:
 def all_stacks() -> dict[str, StackManifest]:
     manifests = {}
     for path in sorted(stacks_dir().glob("*/stack.toml")):
-        manifest = load_manifest(path)
+        stat = path.stat()
+        manifest = _load_unchanged(path, stat.st_mtime_ns, stat.st_size)
         manifests[manifest.name] = manifest
     return manifests
+
+
+@functools.lru_cache(maxsize=256)
+def _load_unchanged(path: Path, mtime_ns: int, size: int) -> StackManifest:
+    """load_manifest, once per version of the file: a command asks for the stacks several times."""
+    return load_manifest(path)
 
 
 def get_stack(name: str) -> StackManifest:

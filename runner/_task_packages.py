@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 
 import msgspec
-from packaging.requirements import InvalidRequirement, Requirement
 
 from qualification.tasks import FamilyError, use_plan
 from qualification.tasks.native import NATIVE_DATA, dataset_rows
@@ -147,6 +146,8 @@ def _resolve_path(package: TaskPackage, plan_file: Path, index: int) -> TaskPack
 
 
 def _resolve_requirement(package: TaskPackage, plan_file: Path, where: str) -> TaskPackage:
+    from packaging.requirements import InvalidRequirement, Requirement  # 12 ms: only task packages need it
+
     if package.path is not None:
         raise UserError(f"{where}: give a path or a requirement, not both")
     try:
@@ -274,6 +275,8 @@ def check_lock(package: Path, dependencies: list[str]) -> None:
     """Refuses a package whose declared dependencies are not all pinned, hashed, in its requirements.lock."""
     if not dependencies:
         return
+    from packaging.requirements import InvalidRequirement, Requirement  # 12 ms: only task packages need it
+
     pyproject, lock = package / "pyproject.toml", package / LOCK_NAME
     fix = f"run `runner tasks lock {package}`"
     if not lock.is_file():

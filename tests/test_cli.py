@@ -1,6 +1,9 @@
 """The small CLI commands: JSON output for scripts, one-line errors for bad input."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -89,3 +92,22 @@ def test_a_slurm_comparison_of_some_stages_puts_them_on_every_arms_run_line(tmp_
             run_line = next(line for line in script.splitlines() if line.startswith("exec "))
             assert f"--stack {stack}" in run_line
             assert (expected in run_line) if expected else ("--stages" not in run_line), run_line
+
+
+def test_the_installed_command_loads_one_command_and_keeps_exit_codes_and_output(tmp_path):
+    # `runner X` builds an app with X alone and ends without the interpreter's teardown: the exit code and
+    # every line printed must survive both
+    command = Path(sys.executable).parent / "runner"
+    listed = subprocess.run([command, "stacks", "list", "--json"], capture_output=True, text=True)
+    assert listed.returncode == 0 and "trl" in {row["name"] for row in json.loads(listed.stdout)}
+    bad = tmp_path / "trajectories.jsonl"
+    bad.write_text("{not json\n")
+    invalid = subprocess.run([command, "validate", str(bad)], capture_output=True, text=True)
+    assert invalid.returncode == 1 and f"{bad}:1" in invalid.stderr.replace("\n", "")
+    refused = subprocess.run([command, "qualify", "--stack", "nope", "--plan", "x.yaml"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "unknown stack 'nope'" in refused.stderr
+    unknown = subprocess.run([command, "qualfy"], capture_output=True, text=True)
+    assert unknown.returncode == 2 and "No such command 'qualfy'" in unknown.stderr
+    overview = subprocess.run([command, "--help"], capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""})
+    assert overview.returncode == 0
+    assert all(name in overview.stdout for name in ("qualify", "compare", "validate", "stacks", "bundle", "cancel"))

@@ -13,17 +13,14 @@ writers do; a file left open is left .partial anyway).
 
 from __future__ import annotations
 
-import atexit
 import importlib
-import os
 import signal
 import sys
-import threading
 import traceback
 from pathlib import Path
 
 from .io import RecordError, read_record, write_record
-from .processes import die_with_parent, supervise
+from .processes import die_with_parent, end_without_teardown, supervise
 from .records import ErrorInfo, StageRequest, StageResult
 
 RESULT_FILE = "result.json"
@@ -75,21 +72,6 @@ def run_adapter(entry: str, request_path: Path) -> int:
             stage=request.stage, error=ErrorInfo(kind=type(error).__name__, message=str(error))))
         return 1
     return 0
-
-
-def end_without_teardown(code: int) -> None:
-    """Exits with `code` as a normal exit would (threads joined, atexit handlers run, output flushed), less
-    the module finalization."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed or broken stream: nothing more can reach it
-            pass
-    os._exit(code)
 
 
 if __name__ == "__main__":

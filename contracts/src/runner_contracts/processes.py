@@ -12,11 +12,13 @@ still carries it: the backstop for a supervisor that was SIGKILLed with its proc
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -207,3 +209,18 @@ def supervise(cmd: list[str], *, stop_grace_s: float = 10.0) -> int:
         end_processes(lambda: descendants(me))
     code = child.returncode if child.returncode is not None else 1
     return 128 - code if code < 0 else code
+
+
+def end_without_teardown(code: int) -> None:
+    """Exits with `code` as a normal exit would (threads joined, atexit handlers run, output flushed), less
+    the module finalization."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can reach it
+            pass
+    os._exit(code)
