@@ -32,7 +32,7 @@ def timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def main(repeat: int = 7) -> None:
+def main(repeat: int = 11) -> None:
     from runner_contracts import StageRequest, write_record
 
     from runner._engines.jobs import scrubbed_env
@@ -79,4 +79,4 @@ def main(repeat: int = 7) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 7)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 11)

@@ -99,8 +99,8 @@ def measure(mode: str, trajectories: Path, training: Path) -> dict:
         records = report.records
     else:
         audit = TraceAudit(vocab_size=1000, group_size=4, tolerance=1e-3)
-        audit.add_trajectories(r for _, r in iter_jsonl(trajectories, Trajectory))
-        audit.add_rows(r for _, r in iter_jsonl(training, TrainingRow))
+        audit.add(lambda: (r for _, r in iter_jsonl(trajectories, Trajectory)),
+                  (r for _, r in iter_jsonl(training, TrainingRow)))
         gates = audit.gates()
         assert all(g.passed for g in gates), [g for g in gates if not g.passed]
         records = audit.counts["episodes"]
@@ -152,10 +152,11 @@ def main() -> None:
         figure("validate speed", speed["validate"], "MB/s", "orjson.loads per line", speed["orjson"], goal=">= 1.0"),
         figure("typed decode alone (validate's floor)", speed["typed-decode"], "MB/s", "orjson.loads per line",
                speed["orjson"]),
-        figure("audit speed", speed["audit"], "MB/s", "validate", speed["validate"], goal=">= 0.5"),
+        figure("audit speed (the two files it reads)", both_mb / results["audit"]["seconds"], "MB/s", "validate",
+               speed["validate"], goal=">= 0.5"),
         figure(f"audit peak memory at {args.episodes} episodes", results["audit"]["peak_rss_mb"], "MB",
                f"audit at {args.episodes // 4} episodes", audit_quarter["peak_rss_mb"], goal="<= 1.1",
-               note="flat in file size: episodes wait for their rows in SQLite"),
+               note="flat in file size: rows are checked against a window of recent episodes"),
     ])
 
 

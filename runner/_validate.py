@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-from qualification.gates import ScratchDatabase
+from qualification.gates import SeenIds
 
 from runner_contracts import (
     RECORD_TYPES,
@@ -66,38 +66,6 @@ def detect_type(path: Path) -> type[Record] | None:
     except (OSError, msgspec.DecodeError, msgspec.ValidationError):
         name = None
     return RECORD_TYPES.get(name or "") or _BY_NAME.get(path.name.split(".", 1)[0])
-
-
-class SeenIds:
-    """Episode keys met so far: a set, moved into an SQLite file in a temporary folder once it holds `spill_at`
-    keys, so a file of any size is checked for duplicates in bounded memory."""
-
-    def __init__(self, spill_at: int = 400_000):
-        self.spill_at = spill_at
-        self._keys: set[str] = set()
-        self._scratch: ScratchDatabase | None = None
-
-    def add(self, key: str) -> bool:
-        """True when `key` is new."""
-        if self._scratch is not None:
-            return self._scratch.db.execute("INSERT OR IGNORE INTO seen VALUES (?)", (key,)).rowcount == 1
-        if key in self._keys:
-            return False
-        self._keys.add(key)
-        if len(self._keys) >= self.spill_at:
-            self._scratch = ScratchDatabase("validate", "CREATE TABLE seen (key TEXT PRIMARY KEY) WITHOUT ROWID;")
-            self._scratch.db.executemany("INSERT INTO seen VALUES (?)", ((k,) for k in self._keys))
-            self._keys = set()
-        return True
-
-    def add_many(self, keys: list[str]) -> list[int]:
-        """Adds `keys` in order; returns the indices of those met before (in an earlier call or earlier here)."""
-        if self._scratch is None and len(self._keys) + len(keys) < self.spill_at:
-            batch = set(keys)
-            if len(batch) == len(keys) and self._keys.isdisjoint(batch):
-                self._keys |= batch
-                return []
-        return [index for index, key in enumerate(keys) if not self.add(key)]
 
 
 def _check_trajectory(t: Trajectory) -> list[tuple[str, str]]:

@@ -5,8 +5,7 @@ from qualification.gates import TraceAudit, lock_gate, resume_gates
 
 def audit(trajectories, rows, *, group_size=2, tolerance=1e-3):
     a = TraceAudit(vocab_size=100, group_size=group_size, tolerance=tolerance)
-    a.add_trajectories(trajectories)
-    a.add_rows(rows)
+    a.add(lambda: trajectories, rows)
     return {g.name: g for g in a.gates() + a.degeneracy_gates(0.5)}, a
 
 
@@ -67,7 +66,7 @@ def test_revision_chain():
     t1, _ = make_episode(step=1, revision="a" * 64)
     t2, _ = make_episode(step=2, revision="b" * 64)
     a = TraceAudit(vocab_size=100, group_size=1, tolerance=1e-3)
-    a.add_trajectories([t1, t2])
+    a.add(lambda: [t1, t2], [])
     assert a.revision_gate("a" * 64, {1: "b" * 64}).passed
     assert not a.revision_gate("a" * 64, {1: "c" * 64}).passed
 
@@ -146,21 +145,57 @@ def test_the_service_gate_expects_every_scripted_case_of_the_plan():
         assert not gate.passed and lie in gate.detail, (lie, gate)
 
 
-def test_records_audited_a_batch_at_a_time_give_the_audit_of_one_batch(episodes, monkeypatch):
-    """Episodes are stored, and rows checked, BATCH at a time: a duplicate episode in a later batch, rows whose
-    episodes were stored batches before them and a row naming an unknown episode are found as in one batch."""
+def test_an_audit_that_spills_and_reads_twice_gives_the_audit_of_one_in_memory(episodes, monkeypatch):
+    """Episodes beyond the window wait on disk, and a row naming an episode trained and dropped before it is
+    checked in a second read: with a window of one episode, rows out of order, a duplicate episode, a row
+    that trains an episode a second time and a row naming an unknown episode are found as with all in memory."""
     from qualification.gates import trace
 
     trajectories, rows = episodes
     trajectories = [*trajectories, trajectories[0]]
-    rows = [*rows[::-1], msgspec.structs.replace(rows[0], row_id="stray", episode_ids=["no-such-episode"])]
+    rows = [rows[1], rows[0], rows[3], rows[2], msgspec.structs.replace(rows[1], row_id="again"),
+            msgspec.structs.replace(rows[0], row_id="stray", episode_ids=["no-such-episode"])]
     whole, whole_audit = audit(trajectories, rows)
-    monkeypatch.setattr(trace, "BATCH", 2)
-    batched, batched_audit = audit(trajectories, rows)
-    assert {name: (g.passed, g.measured, g.detail) for name, g in batched.items()} == {
+    assert whole_audit._spilled is None
+    monkeypatch.setattr(trace, "WINDOW_TOKENS", 1)
+    spilled, spilled_audit = audit(trajectories, rows)
+    assert spilled_audit._spilled.episodes > 0 and spilled_audit._spilled.deferred == 1
+    assert {name: (g.passed, g.measured, g.detail) for name, g in spilled.items()} == {
         name: (g.passed, g.measured, g.detail) for name, g in whole.items()}
-    assert f"episode {trajectories[0].episode_id} appears twice" in batched["trace:unique-episodes"].detail
-    assert "no-such-episode" in batched["trace:every-episode-trained"].detail
-    assert batched["trace:mask-provenance"].passed and batched["trace:trained-equals-sampled"].passed
-    assert batched_audit.counts == whole_audit.counts
-    assert batched_audit.mismatch.summary()["overall"]["tokens"] == 16
+    assert f"episode {trajectories[0].episode_id} appears twice" in spilled["trace:unique-episodes"].detail
+    assert "no-such-episode" in spilled["trace:every-episode-trained"].detail
+    assert spilled["trace:mask-provenance"].passed and spilled["trace:trained-equals-sampled"].passed
+    assert spilled_audit.counts == whole_audit.counts and spilled_audit.rows == len(rows)
+    assert spilled_audit.mismatch.summary() == whole_audit.mismatch.summary()
+    assert spilled_audit.mismatch.summary()["overall"]["tokens"] == 16 + 4
+
+
+def test_any_order_of_rows_gives_the_same_audit_whatever_the_window(monkeypatch):
+    """Rows in any order, one naming two episodes and one training an episode again: a window of one token
+    (spills, second reads) and one that holds everything give the same gates and counts."""
+    import random
+
+    from qualification.gates import trace
+
+    pairs = [make_episode(group=g, sample=s, reward=float(s)) for g in range(3) for s in range(2)]
+    trajectories, rows = [p[0] for p in pairs], [p[1] for p in pairs]
+    both = msgspec.structs.replace(rows[2], row_id="both", episode_ids=[trajectories[2].episode_id,
+                                                                        trajectories[3].episode_id],
+                                   input_ids=rows[2].input_ids + rows[3].input_ids,
+                                   loss_mask=rows[2].loss_mask + rows[3].loss_mask,
+                                   old_logprobs=rows[2].old_logprobs + rows[3].old_logprobs)
+    rows = [rows[0], rows[1], both, rows[4], rows[5], msgspec.structs.replace(rows[0], row_id="again")]
+    second_reads = 0
+    for seed in range(40):
+        shuffled = random.Random(seed).sample(rows, len(rows))
+        monkeypatch.setattr(trace, "WINDOW_TOKENS", 1 << 18)
+        whole, whole_audit = audit(trajectories, shuffled)
+        monkeypatch.setattr(trace, "WINDOW_TOKENS", 1)
+        small, small_audit = audit(trajectories, shuffled)
+        assert all(g.passed for g in whole.values() if g.name.startswith("trace:")), seed
+        assert {n: (g.passed, g.measured, g.detail) for n, g in small.items()} == {
+            n: (g.passed, g.measured, g.detail) for n, g in whole.items()}, seed
+        assert (small_audit.counts, small_audit.trained, small_audit.rows) == (
+            whole_audit.counts, whole_audit.trained, whole_audit.rows) == (whole_audit.counts, 6, 6), seed
+        second_reads += small_audit._spilled.deferred > 0
+    assert second_reads > 0

@@ -88,7 +88,7 @@ def test_rejects_duplicate_episode_ids(good_file, episodes):
 
 def test_duplicates_are_still_found_once_the_seen_ids_move_to_disk():
     """validate keeps the episode ids it met in a set until there are many, then in SQLite (bounded memory)."""
-    from runner._validate import SeenIds
+    from qualification.gates import SeenIds
 
     seen = SeenIds(spill_at=3)
     assert [seen.add(key) for key in ("a", "b", "c", "d")] == [True] * 4  # moved to disk at the third

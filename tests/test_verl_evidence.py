@@ -74,8 +74,7 @@ def fake_trained_batch(rows: list[tuple[str, list[int], list[int], list[int], li
 
 def audit(trajectories, rows) -> dict[str, bool]:
     trace = TraceAudit(vocab_size=100, group_size=2, tolerance=1e-3)
-    trace.add_trajectories(trajectories)
-    trace.add_rows(rows)
+    trace.add(lambda: trajectories, rows)
     return {gate.name: gate.passed for gate in trace.gates()}
 
 

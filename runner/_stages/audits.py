@@ -20,8 +20,8 @@ from .arm import Arm, read_any
 def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] | None) -> tuple[list[GateResult], dict]:
     audit = TraceAudit(vocab_size=vocab_size(arm.policy_dir), group_size=arm.plan.budget.generations_per_prompt,
                        tolerance=arm.plan.gates.logprob_tolerance)
-    audit.add_trajectories(record for _, record in iter_jsonl(out / "trajectories.jsonl", Trajectory))
-    audit.add_rows(record for _, record in iter_jsonl(out / "training.jsonl", TrainingRow))
+    audit.add(lambda: (record for _, record in iter_jsonl(out / "trajectories.jsonl", Trajectory)),
+              (record for _, record in iter_jsonl(out / "training.jsonl", TrainingRow)))
     gates = audit.gates()
     if signal:
         gates += audit.degeneracy_gates(arm.plan.gates.min_groups_with_variance,

@@ -1,109 +1,127 @@
 """Trace-fidelity audit over trajectories.jsonl and training.jsonl, computed on the host from files.
 
 Nothing the adapter claims is taken on trust: tokens, masks, logprobs, groups and revisions are all
-checked against each other. Episodes wait for their training rows in an SQLite file in a temporary
-folder, so the audit's memory does not grow with the number of episodes; they are stored and looked up
-BATCH records at a time (one statement per batch, not one per record).
+checked against each other. The two files are read together: a training row is checked as soon as the
+episodes it names have been read, against the episodes read last (WINDOW_TOKENS tokens of them), kept in
+memory. So the audit's memory does not grow with the number of episodes, and in the usual file order nothing
+touches the disk:
+- an episode that leaves the window before a row trained it waits in an SQLite file in a temporary folder;
+- a row that names an episode trained earlier and already dropped is checked in a second read of the
+  trajectories, with the episodes such rows name.
 """
 
 from __future__ import annotations
 
 import math
-import sqlite3
-import tempfile
 from array import array
-from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import compress, islice
-from pathlib import Path
+from itertools import compress
+
+import msgspec
 
 from runner_contracts import GateResult, TrainingRow, Trajectory
 
 from .mismatch import MismatchPanel
+from .scratch import ScratchDatabase, SeenIds
 
 MAX_EXAMPLES = 3
 POLICY, OTHER = b"\x01", b"\x00"
-BATCH = 512  # trajectories stored, or training rows checked, together
-_IN_LIMIT = 500  # ids in one "IN (...)": well under SQLite's limit on parameters
+WINDOW_TOKENS = 1 << 18  # tokens of the episodes kept in memory for the rows that name them (~10 MB at most)
 
 
-class ScratchDatabase:
-    """An SQLite file in a temporary folder that is deleted with this object: no journal, no fsync, one
-    transaction left open (nothing is kept after the process); `db` is the connection, `schema` run on it."""
+class _Episode:
+    """What a training row is checked against: the episode's tokens, provenance (one byte a token, 1 for the
+    policy's) and policy logprobs, and whether a row trained it."""
 
-    def __init__(self, name: str, schema: str):
-        self._folder = tempfile.TemporaryDirectory(prefix=f"runner-{name}-")
-        self.db = sqlite3.connect(Path(self._folder.name) / f"{name}.sqlite", isolation_level=None)
-        self.db.executescript(f"PRAGMA journal_mode = OFF; PRAGMA synchronous = OFF; {schema} BEGIN;")
+    __slots__ = ("tokens", "provenance", "logprobs", "trained", "stored")
+
+    def __init__(self, tokens: list[int], provenance: bytes, logprobs: list[float], trained: bool = False):
+        self.tokens, self.provenance, self.logprobs, self.trained = tokens, provenance, logprobs, trained
+        self.stored = False  # in the SQLite file, whose trained flag follows this one
 
 
-class _EpisodeStore:
-    """Each episode's tokens, provenance (one byte a token, 1 for the policy's) and policy logprobs (typed arrays
-    as blobs) by episode id, and every trajectory's group and reward, in an SQLite file that is deleted with
-    the store."""
+class _Spilled:
+    """Episodes that left the window untrained, and rows put off to the second read, in an SQLite file in a
+    temporary folder that is deleted with this object."""
 
     def __init__(self) -> None:
         self._scratch = ScratchDatabase("audit", """
-            CREATE TABLE episodes (id TEXT PRIMARY KEY, step INTEGER, revision TEXT, group_id TEXT, reward REAL,
-                                   tokens BLOB, is_policy BLOB, policy_logprobs BLOB, trained INTEGER);
-            CREATE TABLE duplicates (group_id TEXT, reward REAL);""")
+            CREATE TABLE episodes (id TEXT PRIMARY KEY, tokens BLOB, is_policy BLOB, logprobs BLOB, trained INTEGER);
+            CREATE TABLE deferred (row BLOB);
+            CREATE TABLE needed (id TEXT PRIMARY KEY) WITHOUT ROWID;""")
         self.db = self._scratch.db
+        self.episodes = self.deferred = 0
 
-    def add(self, episodes: list[tuple]) -> list[bool]:
-        """Stores episodes given as (id, step, revision, group id, reward, tokens, is_policy, policy logprobs),
-        the last three as bytes; for each, False when its id was stored already (the first is kept, the group
-        counts both)."""
-        known = {row[0] for cursor in self._in_parts("SELECT id FROM episodes WHERE id IN ({})",
-                                                     [episode[0] for episode in episodes]) for row in cursor}
-        stored, fresh = [], []
-        for episode in episodes:
-            new = episode[0] not in known
-            known.add(episode[0])
-            stored.append(new)
-            if new:
-                fresh.append(episode)
-            else:
-                self.db.execute("INSERT INTO duplicates VALUES (?, ?)", (episode[3], episode[4]))
-        self.db.executemany("INSERT INTO episodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)", fresh)
-        return stored
+    def put(self, episode_id: str, episode: _Episode) -> None:
+        self.db.execute("INSERT OR IGNORE INTO episodes VALUES (?, ?, ?, ?, ?)",
+                        (episode_id, array("q", episode.tokens).tobytes(), episode.provenance,
+                         array("d", episode.logprobs).tobytes(), int(episode.trained)))
+        episode.stored = True
+        self.episodes += 1
 
-    def get(self, episode_ids: set[str]) -> dict[str, tuple[bytes, bytes, bytes]]:
-        """Each stored episode's (tokens, is_policy, policy logprobs) by id."""
-        return {row[0]: row[1:] for cursor in self._in_parts(
-            "SELECT id, tokens, is_policy, policy_logprobs FROM episodes WHERE id IN ({})",
-            list(episode_ids)) for row in cursor}
+    def get(self, episode_id: str) -> _Episode | None:
+        found = self.db.execute("SELECT tokens, is_policy, logprobs, trained FROM episodes WHERE id = ?",
+                                (episode_id,)).fetchone() if self.episodes else None
+        if found is None:
+            return None
+        tokens, logprobs = array("q"), array("d")
+        tokens.frombytes(found[0])
+        logprobs.frombytes(found[2])
+        episode = _Episode(tokens.tolist(), found[1], logprobs.tolist(), bool(found[3]))
+        episode.stored = True
+        return episode
 
-    def mark_trained(self, episode_ids: set[str]) -> None:
-        for cursor in self._in_parts("UPDATE episodes SET trained = 1 WHERE id IN ({})", list(episode_ids)):
-            cursor.close()
-
-    def _in_parts(self, statement: str, ids: list[str]) -> Iterator[sqlite3.Cursor]:
-        """`statement` run on each part of `ids` small enough for one "IN ({})" list."""
-        for start in range(0, len(ids), _IN_LIMIT):
-            part = ids[start:start + _IN_LIMIT]
-            yield self.db.execute(statement.format(", ".join("?" * len(part))), part)
-
-    def groups(self) -> Iterable[tuple[str, int, int]]:
-        """(group id, trajectories, distinct rewards) per group."""
-        return self.db.execute("SELECT group_id, COUNT(*), COUNT(DISTINCT reward) FROM (SELECT group_id, reward FROM "
-                               "episodes UNION ALL SELECT group_id, reward FROM duplicates) GROUP BY group_id")
+    def mark_trained(self, episode_id: str) -> None:
+        self.db.execute("UPDATE episodes SET trained = 1 WHERE id = ?", (episode_id,))
 
     def untrained(self) -> tuple[int, list[str]]:
         count = self.db.execute("SELECT COUNT(*) FROM episodes WHERE trained = 0").fetchone()[0]
-        examples = [r[0] for r in self.db.execute("SELECT id FROM episodes WHERE trained = 0 ORDER BY id LIMIT 3")]
-        return count, examples
+        return count, [r[0] for r in self.db.execute("SELECT id FROM episodes WHERE trained = 0 ORDER BY id LIMIT 3")]
 
-    def trained(self) -> int:
-        return self.db.execute("SELECT COUNT(*) FROM episodes WHERE trained = 1").fetchone()[0]
+    def defer(self, row: TrainingRow) -> None:
+        self.db.execute("INSERT INTO deferred VALUES (?)", (msgspec.json.encode(row),))
+        self.db.executemany("INSERT OR IGNORE INTO needed VALUES (?)", ((e,) for e in row.episode_ids))
+        self.deferred += 1
 
-    def revisions(self) -> Iterable[tuple[str, int, str]]:
-        return self.db.execute("SELECT id, step, revision FROM episodes ORDER BY rowid")
+    def is_needed(self, episode_id: str) -> bool:
+        return self.db.execute("SELECT 1 FROM needed WHERE id = ?", (episode_id,)).fetchone() is not None
+
+    def deferred_rows(self) -> Iterator[TrainingRow]:
+        decoder = msgspec.json.Decoder(TrainingRow)
+        for (raw,) in self.db.execute("SELECT row FROM deferred ORDER BY rowid").fetchall():
+            yield decoder.decode(raw)
+
+
+class _Groups:
+    """Every trajectory's group and reward (duplicates too), appended to an SQLite table BATCH at a time."""
+
+    BATCH = 4096
+
+    def __init__(self) -> None:
+        self._scratch = ScratchDatabase("groups", "CREATE TABLE members (group_id TEXT, reward REAL);")
+        self._waiting: list[tuple[str, float]] = []
+
+    def add(self, group_id: str, reward: float) -> None:
+        self._waiting.append((group_id, reward))
+        if len(self._waiting) >= self.BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        self._scratch.db.executemany("INSERT INTO members VALUES (?, ?)", self._waiting)
+        self._waiting = []
+
+    def sizes(self) -> list[tuple[str, int, int]]:
+        """(group id, trajectories, distinct rewards) per group."""
+        self._flush()
+        return self._scratch.db.execute("SELECT group_id, COUNT(*), COUNT(DISTINCT reward) FROM members "
+                                        "GROUP BY group_id").fetchall()
 
 
 @dataclass
 class TraceAudit:
-    """Streaming audit: feed trajectories, then training rows, then call gates()."""
+    """Streaming audit: add() the trajectories and the training rows, then call gates()."""
 
     vocab_size: int
     group_size: int
@@ -115,23 +133,96 @@ class TraceAudit:
     mismatch: MismatchPanel = field(default_factory=MismatchPanel)
     advantages_nonzero: int = 0
     rows: int = 0
-    _store: _EpisodeStore = field(default_factory=_EpisodeStore, repr=False)
+    trained: int = 0  # distinct episodes a row trained
+    _window: dict[str, _Episode] = field(default_factory=dict, repr=False)
+    _window_order: deque[str] = field(default_factory=deque, repr=False)
+    _window_tokens: int = field(default=0, repr=False)
+    _seen: SeenIds = field(default_factory=SeenIds, repr=False)
+    _spilled: _Spilled | None = field(default=None, repr=False)
+    _groups: _Groups = field(default_factory=_Groups, repr=False)
+    _revisions: dict[tuple[int, str], list] = field(default_factory=dict, repr=False)  # -> [count, first ids]
 
     def _problem(self, check: str, message: str) -> None:
         self.counts[f"problem:{check}"] += 1
         if len(self.problems[check]) < MAX_EXAMPLES:
             self.problems[check].append(message)
 
-    def add_trajectories(self, trajectories: Iterable[Trajectory]) -> None:
-        for batch in _batches(map(self._episode, trajectories)):
-            for episode, stored in zip(batch, self._store.add(batch), strict=True):
-                if not stored:
-                    self._problem("unique-episodes", f"episode {episode[0]} appears twice")
+    def add(self, trajectories: Callable[[], Iterable[Trajectory]], rows: Iterable[TrainingRow]) -> None:
+        """Audits the trajectories `trajectories()` yields and the training rows; `trajectories` is called a
+        second time only when a row names an episode that was trained and dropped from memory before it."""
+        unread = iter(trajectories())
+        for row in rows:
+            episodes = self._episodes_of(row, unread)
+            if episodes is not None:
+                self._check_row(row, episodes)
+        for trajectory in unread:
+            self._admit(trajectory)
+        if self._spilled is not None and self._spilled.deferred:
+            self._second_read(trajectories)
 
-    def _episode(self, t: Trajectory) -> tuple:
-        """Checks one trajectory and counts it; the row the store keeps of it."""
+    def _episodes_of(self, row: TrainingRow, unread: Iterator[Trajectory]) -> list[_Episode | None] | None:
+        """The episodes `row` names, reading trajectories until each is met (None for one never met); None
+        when the row waits for the second read."""
+        episodes = []
+        for episode_id in row.episode_ids:
+            episode = self._window.get(episode_id)
+            if episode is None and episode_id in self._seen:
+                episode = self._spilled.get(episode_id) if self._spilled is not None else None
+                if episode is None:  # trained by an earlier row and dropped since
+                    self._spill().defer(row)
+                    return None
+            elif episode is None:
+                episode = self._read_until(episode_id, unread)
+            episodes.append(episode)
+        return episodes
+
+    def _trained(self, row: TrainingRow, episodes: list[_Episode]) -> None:
+        for episode_id, episode in zip(row.episode_ids, episodes, strict=True):
+            if not episode.trained:
+                episode.trained = True
+                self.trained += 1
+                if episode.stored:
+                    self._spilled.mark_trained(episode_id)
+
+    def _read_until(self, episode_id: str, unread: Iterator[Trajectory]) -> _Episode | None:
+        for trajectory in unread:
+            self._admit(trajectory)
+            if trajectory.episode_id == episode_id:
+                return self._window.get(episode_id)
+        return None
+
+    def _spill(self) -> _Spilled:
+        if self._spilled is None:
+            self._spilled = _Spilled()
+        return self._spilled
+
+    def _admit(self, t: Trajectory) -> None:
+        """Checks and counts one trajectory; its episode joins the window (the oldest leaves it)."""
+        episode = self._episode(t)
+        self._groups.add(t.group_id, t.reward)
+        if not self._seen.add(t.episode_id):
+            self._problem("unique-episodes", f"episode {t.episode_id} appears twice")
+            return
+        revision = self._revisions.setdefault((t.step, t.policy_revision), [0, []])
+        revision[0] += 1
+        if len(revision[1]) < MAX_EXAMPLES:
+            revision[1].append(t.episode_id)
+        self._window[t.episode_id] = episode
+        self._window_order.append(t.episode_id)
+        self._window_tokens += len(episode.tokens)
+        while self._window_tokens > WINDOW_TOKENS and len(self._window) > 1:
+            oldest = self._window_order.popleft()
+            left = self._window.pop(oldest)
+            self._window_tokens -= len(left.tokens)
+            if not left.trained:
+                self._spill().put(oldest, left)
+
+    def _episode(self, t: Trajectory) -> _Episode:
+        """Checks one trajectory and counts it."""
         self.counts["episodes"] += 1
-        tokens, policy_logprobs, is_policy = array("q"), array("d"), bytearray()
+        tokens: list[int] = []
+        policy_logprobs: list[float] = []
+        is_policy = bytearray()
         tool_segments = policy_tokens = 0
         for index, segment in enumerate(t.segments):
             ids = segment.token_ids
@@ -146,13 +237,13 @@ class TraceAudit:
                     self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {len(ids)} "
                                                    f"tokens but {got} logprobs")
                 else:
-                    policy_logprobs.extend(segment.logprobs)
+                    policy_logprobs += segment.logprobs
                 policy_tokens += len(ids)
             elif segment.logprobs is not None:
                 self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {segment.source} segment "
                                                "carries logprobs")
             tool_segments += segment.source in ("tool", "env")
-            tokens.extend(ids)
+            tokens += ids
             is_policy += (POLICY if policy else OTHER) * len(ids)
         if not policy_tokens:
             self._problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
@@ -161,73 +252,75 @@ class TraceAudit:
         step = self.step_rewards.setdefault(t.step, [0.0, 0])
         step[0] += t.reward
         step[1] += 1
-        return (t.episode_id, t.step, t.policy_revision, t.group_id, t.reward, tokens.tobytes(),
-                bytes(is_policy), policy_logprobs.tobytes())
+        return _Episode(tokens, bytes(is_policy), policy_logprobs)
 
-    def add_rows(self, rows: Iterable[TrainingRow]) -> None:
-        for batch in _batches(rows):
-            self._check_rows(batch)
+    def _second_read(self, trajectories: Callable[[], Iterable[Trajectory]]) -> None:
+        """Checks the rows put off, against the episodes they name that are neither in the window nor on disk
+        (trained and dropped before): read again from the start."""
+        spilled, reader = self._spilled, TraceAudit(self.vocab_size, self.group_size, self.tolerance)
+        for t in trajectories():
+            if (spilled.is_needed(t.episode_id) and t.episode_id not in self._window
+                    and spilled.get(t.episode_id) is None):
+                episode = reader._episode(t)  # checked and counted in the first read
+                episode.trained = True
+                spilled.put(t.episode_id, episode)
+        for row in spilled.deferred_rows():
+            self._check_row(row, [self._window.get(episode_id) or spilled.get(episode_id)
+                                  for episode_id in row.episode_ids])
 
-    def _check_rows(self, batch: list[TrainingRow]) -> None:
-        known = self._store.get({episode for row in batch for episode in row.episode_ids})
-        trained_ids: set[str] = set()
-        for row in batch:
-            self.rows += 1
-            if abs(row.advantage) > 0:
-                self.advantages_nonzero += 1
-            lengths = {len(row.input_ids), len(row.loss_mask)}
-            if row.old_logprobs is not None:
-                lengths.add(len(row.old_logprobs))
-            if len(lengths) != 1:
-                self._problem("lengths-vocab", f"row {row.row_id}: input_ids/loss_mask/old_logprobs lengths differ")
-                continue
-            episodes = [known.get(e) for e in row.episode_ids]
-            missing = [e for e, found in zip(row.episode_ids, episodes, strict=True) if found is None]
-            if missing:
-                self._problem("every-episode-trained", f"row {row.row_id} names unknown episode(s) {missing[:3]}")
-                continue
-            trained_ids.update(row.episode_ids)
-            tokens = b"".join(episode[0] for episode in episodes)
-            provenance = b"".join(episode[1] for episode in episodes)
-            input_ids = array("q", row.input_ids)
-            if input_ids.tobytes() != tokens:
-                stored = array("q")
-                stored.frombytes(tokens)
-                self._problem("mask-provenance", f"row {row.row_id}: input_ids differ from the episode's segment "
-                                                 f"tokens (first difference at "
-                                                 f"{_first_difference(row.input_ids, stored.tolist())})")
-                continue
-            if _mask_bytes(row.loss_mask) == provenance:
-                # input_ids are the segment tokens and the mask is their provenance, so the trained tokens are
-                # the sampled policy tokens, in order: count them
-                self.counts["trained_tokens"] += provenance.count(POLICY)
-            else:
-                wrong = [i for i, (mask, policy) in enumerate(zip(row.loss_mask, provenance, strict=True))
-                         if bool(mask) != bool(policy)]
-                if wrong:
-                    self._problem("mask-provenance", f"row {row.row_id}: loss mask disagrees with provenance at "
-                                                     f"positions {wrong[:5]}")
-                trained = array("q", compress(row.input_ids, row.loss_mask))
-                sampled = array("q", compress(input_ids, provenance))
-                self.counts["trained_tokens"] += len(trained)
-                if trained != sampled:
-                    self._problem("trained-equals-sampled", f"row {row.row_id}: {len(trained)} trained tokens vs "
-                                                            f"{len(sampled)} sampled policy tokens")
-            if row.old_logprobs is not None:
-                sampled_lp = array("d")
-                sampled_lp.frombytes(b"".join(episode[2] for episode in episodes))
-                recomputed = array("d", compress(row.old_logprobs, row.loss_mask))
-                self.counts["logprob_pairs"] += min(len(recomputed), len(sampled_lp))
-                if len(recomputed) == len(sampled_lp):
-                    try:  # the panel keeps max |trainer - sampler|: the gap, read in gates()
-                        self.mismatch.add(row.step, recomputed, sampled_lp)
-                        continue
-                    except ValueError:  # a logprob is not finite
-                        pass
-                gaps = (abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
-                        for a, b in zip(recomputed, sampled_lp, strict=False))
-                self.max_logprob_gap = max(self.max_logprob_gap, max(gaps, default=0.0))
-        self._store.mark_trained(trained_ids)
+    def _check_row(self, row: TrainingRow, episodes: list[_Episode | None]) -> None:
+        self.rows += 1
+        if abs(row.advantage) > 0:
+            self.advantages_nonzero += 1
+        lengths = {len(row.input_ids), len(row.loss_mask)}
+        if row.old_logprobs is not None:
+            lengths.add(len(row.old_logprobs))
+        if len(lengths) != 1:
+            self._problem("lengths-vocab", f"row {row.row_id}: input_ids/loss_mask/old_logprobs lengths differ")
+            return
+        missing = [e for e, found in zip(row.episode_ids, episodes, strict=True) if found is None]
+        if missing:
+            self._problem("every-episode-trained", f"row {row.row_id} names unknown episode(s) {missing[:3]}")
+            return
+        self._trained(row, episodes)
+        if len(episodes) == 1:
+            tokens, provenance, sampled_logprobs = episodes[0].tokens, episodes[0].provenance, episodes[0].logprobs
+        else:
+            tokens = [token for episode in episodes for token in episode.tokens]
+            provenance = b"".join(episode.provenance for episode in episodes)
+            sampled_logprobs = [logprob for episode in episodes for logprob in episode.logprobs]
+        if row.input_ids != tokens:
+            self._problem("mask-provenance", f"row {row.row_id}: input_ids differ from the episode's segment "
+                                             f"tokens (first difference at {_first_difference(row.input_ids, tokens)})")
+            return
+        if _mask_bytes(row.loss_mask) == provenance:
+            # input_ids are the segment tokens and the mask is their provenance, so the trained tokens are
+            # the sampled policy tokens, in order: count them
+            self.counts["trained_tokens"] += provenance.count(POLICY)
+        else:
+            wrong = [i for i, (mask, policy) in enumerate(zip(row.loss_mask, provenance, strict=True))
+                     if bool(mask) != bool(policy)]
+            if wrong:
+                self._problem("mask-provenance", f"row {row.row_id}: loss mask disagrees with provenance at "
+                                                 f"positions {wrong[:5]}")
+            trained = list(compress(row.input_ids, row.loss_mask))
+            sampled = list(compress(tokens, provenance))
+            self.counts["trained_tokens"] += len(trained)
+            if trained != sampled:
+                self._problem("trained-equals-sampled", f"row {row.row_id}: {len(trained)} trained tokens vs "
+                                                        f"{len(sampled)} sampled policy tokens")
+        if row.old_logprobs is not None:
+            recomputed = list(compress(row.old_logprobs, row.loss_mask))
+            self.counts["logprob_pairs"] += min(len(recomputed), len(sampled_logprobs))
+            if len(recomputed) == len(sampled_logprobs):
+                try:  # the panel keeps max |trainer - sampler|: the gap, read in gates()
+                    self.mismatch.add(row.step, recomputed, sampled_logprobs)
+                    return
+                except ValueError:  # a logprob is not finite
+                    pass
+            gaps = (abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
+                    for a, b in zip(recomputed, sampled_logprobs, strict=False))
+            self.max_logprob_gap = max(self.max_logprob_gap, max(gaps, default=0.0))
 
     def _result(self, name: str, check: str, *, measured=None, threshold=None, detail_ok: str = "") -> GateResult:
         problems = self.counts[f"problem:{check}"]
@@ -236,14 +329,20 @@ class TraceAudit:
         return GateResult(name=name, passed=problems == 0, measured=measured if measured is not None else problems,
                           threshold=threshold if threshold is not None else 0, detail=detail or detail_ok)
 
+    def _untrained(self) -> tuple[int, list[str]]:
+        """(episodes no row trained, the first few of their ids in order)."""
+        waiting = sorted(episode_id for episode_id, episode in self._window.items() if not episode.trained)
+        count, spilled = self._spilled.untrained() if self._spilled is not None else (0, [])
+        return len(waiting) + count, sorted(waiting[:MAX_EXAMPLES] + spilled)[:MAX_EXAMPLES]
+
     def gates(self) -> list[GateResult]:
         self.max_logprob_gap = max(self.max_logprob_gap, self.mismatch.max_abs_diff())
         groups = 0
-        for group, size, _ in self._store.groups():
+        for group, size, _ in self._groups.sizes():
             groups += 1
             if size != self.group_size:
                 self._problem("groups-complete", f"group {group} has {size} episodes, expected {self.group_size}")
-        untrained, examples = self._store.untrained()
+        untrained, examples = self._untrained()
         if untrained:
             self._problem("every-episode-trained", f"{untrained} episode(s) never reach a training row, "
                                                    f"e.g. {examples}")
@@ -260,7 +359,7 @@ class TraceAudit:
             self._result("trace:trained-equals-sampled", "trained-equals-sampled",
                          detail_ok=f"{self.counts['trained_tokens']} trained = sampled policy tokens, in order"),
             self._result("trace:every-episode-trained", "every-episode-trained",
-                         detail_ok=f"{self._store.trained()} episodes in {self.rows} rows"),
+                         detail_ok=f"{self.trained} episodes in {self.rows} rows"),
             GateResult(name="trace:logprob-agreement", passed=gap_ok, measured=self.max_logprob_gap,
                        threshold=self.tolerance,
                        detail=f"max |trainer - sampling| logprob over {self.counts['logprob_pairs']} tokens"),
@@ -272,7 +371,7 @@ class TraceAudit:
 
     def groups_with_variance(self) -> tuple[int, int]:
         """(groups, groups whose rewards are not all equal)."""
-        distinct = [rewards for _, _, rewards in self._store.groups()]
+        distinct = [rewards for _, _, rewards in self._groups.sizes()]
         return len(distinct), sum(1 for rewards in distinct if rewards > 1)
 
     def degeneracy_gates(self, min_groups_with_variance: float, expects_tools: bool = True) -> list[GateResult]:
@@ -297,22 +396,16 @@ class TraceAudit:
 
     def revision_gate(self, initial_revision: str, checkpoint_revisions: dict[int, str]) -> GateResult:
         """Step s must be sampled by the weights of checkpoint s-1 (the initial policy for s = 1)."""
-        wrong = []
-        for episode_id, step, revision in self._store.revisions():
+        wrong, examples = 0, []
+        for (step, revision), (count, first) in self._revisions.items():
             expected = initial_revision if step <= 1 else checkpoint_revisions.get(step - 1)
             if expected is None or revision != expected:
-                wrong.append(episode_id)
-        return GateResult(name="trace:policy-revision", passed=not wrong, measured=len(wrong), threshold=0,
-                          detail=(f"{len(wrong)} episode(s) name a revision that is not the checkpoint before their "
-                                  f"step, e.g. {wrong[:3]}") if wrong else
+                wrong += count
+                examples += first
+        return GateResult(name="trace:policy-revision", passed=not wrong, measured=wrong, threshold=0,
+                          detail=(f"{wrong} episode(s) name a revision that is not the checkpoint before their "
+                                  f"step, e.g. {examples[:MAX_EXAMPLES]}") if wrong else
                           "each step sampled by the previous checkpoint's weights")
-
-
-def _batches(records: Iterable) -> Iterator[list]:
-    """`records` in lists of BATCH (the last one shorter)."""
-    iterator = iter(records)
-    while batch := list(islice(iterator, BATCH)):
-        yield batch
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
