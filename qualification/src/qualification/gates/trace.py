@@ -17,7 +17,7 @@ from array import array
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import chain, compress, islice
 
 import msgspec
 
@@ -151,6 +151,8 @@ class TraceAudit:
         """Audits the trajectories `trajectories()` yields and the training rows; `trajectories` is called a
         second time only when a row names an episode that was trained and dropped from memory before it."""
         unread = iter(trajectories())
+        # the first trajectory is read before any row, so unreadable trajectories fail the audit first
+        unread = chain(list(islice(unread, 1)), unread)
         for row in rows:
             episodes = self._episodes_of(row, unread)
             if episodes is not None:
