@@ -15,7 +15,7 @@ from ._common import cli_errors, console, print_json
 
 
 def report(
-    run_dir: Path = typer.Argument(..., help="A run directory written by `runner qualify`, or a comparison "
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run directory written by `runner qualify`, or a comparison "
                                             "directory written by `runner compare` (it has arms/)."),
     beside: list[Path] = typer.Option([], "--beside", help="Domain runs only: other runs of the same domain stack "
                                                            "(two model sizes, two pins) to set side by side with this "

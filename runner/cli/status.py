@@ -12,7 +12,7 @@ from ._common import cli_errors, console, print_json
 
 
 def status(
-    run_dir: Path = typer.Argument(..., help="A run or comparison directory submitted with --executor slurm."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run or comparison directory submitted with --executor slurm."),
     json_output: bool = typer.Option(False, "--json", help="Print the states as JSON."),
 ) -> None:
     """Job states (squeue; scontrol and sacct, or the job-completion log, once a job ended), the stages each
@@ -36,7 +36,7 @@ def status(
 
 
 def cancel(
-    run_dir: Path = typer.Argument(..., help="A run or comparison directory submitted with --executor slurm."),
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR", help="A run or comparison directory submitted with --executor slurm."),
 ) -> None:
     """Cancel the run's jobs that have not ended (scancel). Evidence already written stays; a cancelled
     stage is marked interrupted, and `--resume` continues it later."""

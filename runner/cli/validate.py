@@ -11,7 +11,7 @@ from ._common import console, err_console, print_json
 
 
 def validate(
-    files: list[Path] = typer.Argument(..., help="trajectories.jsonl, training.jsonl, evidence.json, plan.json, ..."),
+    files: list[Path] = typer.Argument(..., metavar="FILE...", help="trajectories.jsonl, training.jsonl, evidence.json, plan.json, ..."),
     json_output: bool = typer.Option(False, "--json", help="Print results as JSON."),
 ) -> None:
     """Validate contract files line by line in constant memory.
