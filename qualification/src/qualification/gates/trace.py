@@ -205,7 +205,9 @@ class TraceAudit:
         if not self._seen.add(t.episode_id):
             self._problem("unique-episodes", f"episode {t.episode_id} appears twice")
             return
-        revision = self._revisions.setdefault((t.step, t.policy_revision), [0, []])
+        revision = self._revisions.get((t.step, t.policy_revision))
+        if revision is None:
+            revision = self._revisions[(t.step, t.policy_revision)] = [0, []]
         revision[0] += 1
         if len(revision[1]) < MAX_EXAMPLES:
             revision[1].append(t.episode_id)
@@ -219,9 +221,9 @@ class TraceAudit:
             if not left.trained:
                 self._spill().put(oldest, left)
 
-    def _episode(self, t: Trajectory) -> _Episode:
-        """Checks one trajectory and counts it."""
-        self.counts["episodes"] += 1
+    def _episode(self, t: Trajectory, *, first_read: bool = True) -> _Episode:
+        """Checks one trajectory and counts it (both only on the first read)."""
+        problem = self._problem if first_read else _ignore
         tokens: list[int] = []
         policy_logprobs: list[float] = []
         is_policy = bytearray()
@@ -230,40 +232,40 @@ class TraceAudit:
             ids = segment.token_ids
             if ids and max(ids) >= self.vocab_size:
                 bad = [i for i in ids if i >= self.vocab_size]
-                self._problem("lengths-vocab", f"{t.episode_id} segment {index}: ids {bad[:3]} >= vocab "
-                                               f"{self.vocab_size}")
+                problem("lengths-vocab", f"{t.episode_id} segment {index}: ids {bad[:3]} >= vocab {self.vocab_size}")
             policy = segment.source == "policy"
             if policy:
                 if segment.logprobs is None or len(segment.logprobs) != len(ids):
                     got = None if segment.logprobs is None else len(segment.logprobs)
-                    self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {len(ids)} "
-                                                   f"tokens but {got} logprobs")
+                    problem("lengths-vocab", f"{t.episode_id} segment {index}: {len(ids)} tokens but {got} logprobs")
                 else:
                     policy_logprobs += segment.logprobs
                 policy_tokens += len(ids)
             elif segment.logprobs is not None:
-                self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {segment.source} segment "
-                                               "carries logprobs")
+                problem("lengths-vocab", f"{t.episode_id} segment {index}: {segment.source} segment "
+                                         "carries logprobs")
             tool_segments += segment.source in ("tool", "env")
             tokens += ids
             is_policy += (POLICY if policy else OTHER) * len(ids)
         if not policy_tokens:
-            self._problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
-        self.counts["policy_tokens"] += policy_tokens
-        self.counts["episodes_with_tool_calls"] += tool_segments > 0
-        step = self.step_rewards.setdefault(t.step, [0.0, 0])
-        step[0] += t.reward
-        step[1] += 1
+            problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
+        if first_read:
+            self.counts["episodes"] += 1
+            self.counts["policy_tokens"] += policy_tokens
+            self.counts["episodes_with_tool_calls"] += tool_segments > 0
+            step = self.step_rewards.setdefault(t.step, [0.0, 0])
+            step[0] += t.reward
+            step[1] += 1
         return _Episode(tokens, bytes(is_policy), policy_logprobs)
 
     def _second_read(self, trajectories: Callable[[], Iterable[Trajectory]]) -> None:
         """Checks the rows put off, against the episodes they name that are neither in the window nor on disk
         (trained and dropped before): read again from the start."""
-        spilled, reader = self._spilled, TraceAudit(self.vocab_size, self.group_size, self.tolerance)
+        spilled = self._spilled
         for t in trajectories():
             if (spilled.is_needed(t.episode_id) and t.episode_id not in self._window
                     and spilled.get(t.episode_id) is None):
-                episode = reader._episode(t)  # checked and counted in the first read
+                episode = self._episode(t, first_read=False)
                 episode.trained = True
                 spilled.put(t.episode_id, episode)
         for row in spilled.deferred_rows():
@@ -408,6 +410,10 @@ class TraceAudit:
                           detail=(f"{wrong} episode(s) name a revision that is not the checkpoint before their "
                                   f"step, e.g. {examples[:MAX_EXAMPLES]}") if wrong else
                           "each step sampled by the previous checkpoint's weights")
+
+
+def _ignore(check: str, message: str) -> None:
+    """Where a trajectory read a second time reports its problems: it did on the first read."""
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
