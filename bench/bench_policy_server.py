@@ -26,7 +26,7 @@ def main(episodes: int = 64) -> None:
     plan = load_plan(PLAN)
     policy_dir = build_tiny(engine, dict(plan.policy.tiny or {}), plan)
     trl = engine.prepare(get_stack("trl"))
-    run = subprocess.run([str(trl.python), "-m", "runner_stack_trl.batching_check", str(policy_dir), "--episodes",
+    run = subprocess.run([str(trl.python), "-m", "runner_kit.batching_check", str(policy_dir), "--episodes",
                           str(episodes)], capture_output=True, text=True, timeout=1800)
     if run.returncode != 0:
         sys.exit(f"batching check failed: {run.stderr[-3000:]}")

@@ -30,7 +30,7 @@ def trl_and_policy():
 
 def sample_both_ways(trl_and_policy, attention: str, episodes: int) -> dict:
     trl, policy_dir = trl_and_policy
-    run = subprocess.run([str(trl.python), "-m", "runner_stack_trl.batching_check", str(policy_dir), "--attention",
+    run = subprocess.run([str(trl.python), "-m", "runner_kit.batching_check", str(policy_dir), "--attention",
                           attention, "--episodes", str(episodes)],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -67,7 +67,7 @@ from pathlib import Path
 import msgspec
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from runner_contracts import SamplingSpec
-from runner_stack_trl.policy_server import PolicyServer
+from runner_kit.policy_server import PolicyServer
 
 args = json.loads(sys.argv[1])
 tokenizer = AutoTokenizer.from_pretrained(args["policy_dir"])

@@ -10,6 +10,10 @@ nothing else of ours:
 - runner_kit.http: a small JSON server and client on 127.0.0.1;
 - runner_kit.scripted_policy: the scripted policy server the service stage runs episodes against;
 - runner_kit.reference_backend: our own environment server, the model an adapter can be checked against;
+- runner_kit.policy_server: the OpenAI-compatible policy server over a trainer's live Hugging Face model (every
+  call logged with its exact ids and logprobs), which environment stacks call; runner_kit.batching: its
+  batch-invariant continuous batching (needs torch and transformers: import it only where they are);
+  runner_kit.batching_check: batched vs one-at-a-time sampling on a checkpoint, compared bit for bit;
 - runner_kit.processes: servers on 127.0.0.1 (bind_loopback, free_port), children that die with the
   adapter from any thread (spawn), readiness waits, SIGKILL of a whole tree, ServerProcess.
 

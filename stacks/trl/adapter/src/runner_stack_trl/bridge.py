@@ -28,11 +28,11 @@ from runner_contracts import (
 )
 from runner_kit.continuity import chain_calls
 from runner_kit.http import post_json
+from runner_kit.policy_server import CallHold, PolicyServer
 
 from .grpo import Recorder, get_item_id, task_rows, training_metrics
-from .policy_server import CallHold, PolicyServer
 
-CONCURRENCY = 32  # episodes in flight: the policy server batches their calls (batching.py)
+CONCURRENCY = 32  # episodes in flight: the policy server batches their calls (runner_kit.batching)
 
 
 def request_rollouts(service_url: str, episodes: list[EpisodeSpec], server: PolicyServer, plan: Plan,

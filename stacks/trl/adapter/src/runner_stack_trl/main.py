@@ -232,9 +232,33 @@ def distill(request: StageRequest) -> StageResult:
 
 
 def serve_policy(request: StageRequest) -> StageResult:
-    from .policy_server import serve
+    """The `serve-policy` job: `request.policy_dir` served on 127.0.0.1, greedy whatever a call asks (an
+    evaluation harness's model, see runner/_stages/harnesses.py), every call logged to calls.jsonl; writes
+    service.json {url: the OpenAI base URL (.../v1), pid} once it answers and runs until SIGTERM."""
+    from runner_contracts.processes import StopSignal
+    from runner_kit.policy_server import PolicyServer
+    from runner_kit.rollout import publish_service
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return serve(request)
+    from .policy import deterministic_torch
+
+    stop = StopSignal()
+    out, policy = Path(request.out_dir), Path(request.policy_dir or "")
+    deterministic_torch(request.plan.sampling.seed)
+    server = PolicyServer(AutoModelForCausalLM.from_pretrained(policy), AutoTokenizer.from_pretrained(policy),
+                          sampling=request.plan.sampling, calls_path=out / "calls.jsonl",
+                          revision=sha256_file(policy / "model.safetensors"), tool_format=request.plan.policy.tool_format)
+    server.greedy = True
+    server.start()
+    ok = False
+    try:
+        publish_service(out, server.base_url, request.stack)
+        stop.wait()
+        ok = True
+    finally:
+        server.close(ok)
+    return StageResult(stage=request.stage, files={"calls": "calls.jsonl"},
+                       metrics={"decoding": "greedy", "policy_batching": server.sampler.evidence()})
 
 
 def evaluate(request: StageRequest) -> StageResult:

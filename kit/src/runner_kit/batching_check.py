@@ -3,7 +3,7 @@ over real HTTP (their clients in a process of their own, as an environment's are
 time and then batched; prints one JSON line with both runs' calls compared bit for bit, their wall time
 and the sampler's evidence.
 
-    python -m runner_stack_trl.batching_check POLICY_DIR [--attention sdpa] [--episodes 48]
+    python -m runner_kit.batching_check POLICY_DIR [--attention sdpa] [--episodes 48]
 
 The suite (tests/test_policy_batching.py) and `make bench` (bench/bench_policy_server.py) run it in the trl
 environment."""
@@ -79,7 +79,7 @@ def run(model, tokenizer, policy_dir: str, episodes: int, max_rows: int, folder:
     server = PolicyServer(model, tokenizer, sampling=SAMPLING, calls_path=calls_path, revision="r",
                           max_rows=max_rows).start()
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "runner_stack_trl.batching_check", policy_dir, "--drive", server.base_url,
+    subprocess.run([sys.executable, "-m", "runner_kit.batching_check", policy_dir, "--drive", server.base_url,
                     "--episodes", str(episodes)], check=True)
     seconds = time.monotonic() - started
     server.close()

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec, StageRequest, StageResult, sha256_file
-from runner_contracts.processes import StopSignal
-from runner_kit.http import Call, HttpError, JsonServer, Reply
-from runner_kit.tool_formats import completion_text, parse_tool_calls
-from runner_kit.policy import (
+from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec
+
+from .batching import MAX_ROWS, BatchingSampler
+from .http import Call, HttpError, JsonServer, Reply
+from .policy import (
     CHAT_PATH,
     GENERATE_PATH,
     MODELS_PATH,
@@ -39,9 +39,7 @@ from runner_kit.policy import (
     stream_chunks,
     token_logprobs,
 )
-from runner_kit.rollout import publish_service
-
-from .batching import MAX_ROWS, BatchingSampler
+from .tool_formats import completion_text, parse_tool_calls
 
 
 class CallHold:
@@ -247,30 +245,3 @@ class PolicyServer:
             "text": completion_text(self.tokenizer, record.completion_ids, self.tool_format),
             "logprobs": {"content": token_logprobs(record.completion_ids, record.logprobs)},
         }], "prompt_token_ids": prompt_ids, "model": self.model_name})
-
-
-def serve(request: StageRequest) -> StageResult:
-    """The `serve-policy` job: `request.policy_dir` served on 127.0.0.1, greedy whatever a call asks (an
-    evaluation harness's model, see runner/_stages/harnesses.py), every call logged to calls.jsonl; writes
-    service.json {url: the OpenAI base URL (.../v1), pid} once it answers and runs until SIGTERM."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .policy import deterministic_torch
-
-    stop = StopSignal()
-    out, policy = Path(request.out_dir), Path(request.policy_dir or "")
-    deterministic_torch(request.plan.sampling.seed)
-    server = PolicyServer(AutoModelForCausalLM.from_pretrained(policy), AutoTokenizer.from_pretrained(policy),
-                          sampling=request.plan.sampling, calls_path=out / "calls.jsonl",
-                          revision=sha256_file(policy / "model.safetensors"), tool_format=request.plan.policy.tool_format)
-    server.greedy = True
-    server.start()
-    ok = False
-    try:
-        publish_service(out, server.base_url, request.stack)
-        stop.wait()
-        ok = True
-    finally:
-        server.close(ok)
-    return StageResult(stage=request.stage, files={"calls": "calls.jsonl"},
-                       metrics={"decoding": "greedy", "policy_batching": server.sampler.evidence()})
