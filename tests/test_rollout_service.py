@@ -110,6 +110,40 @@ def test_rollout_service_over_http_and_its_errors():
         assert bad.value.status == 422 and "rollout-request" in str(bad.value)
 
 
+class _WarmingBackend(ReferenceBackend):
+    """The reference backend with a warm-up that takes a while (or fails), as a heavy import would."""
+
+    def __init__(self, fail: bool):
+        super().__init__()
+        self.fail, self.began, self.finished = fail, threading.Event(), threading.Event()
+
+    def warm_up(self) -> None:
+        self.began.set()
+        time.sleep(0.3)
+        if self.fail:
+            raise ImportError("no module named heavy_upstream")
+        self.finished.set()
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["warms-up", "warm-up-fails"])
+def test_the_service_warms_its_backend_up_in_the_background_and_serves_meanwhile(fail, capfd):
+    backend = _WarmingBackend(fail)
+    episodes, scripts, _ = _scripted_batch("calc-tool", n=1)
+    with RolloutService(backend) as service, ScriptedPolicyServer(scripts) as policy:
+        assert backend.began.wait(5)
+        assert not backend.finished.is_set()  # the service is up before the warm-up ends
+        request = RolloutRequest(episodes=episodes, policy_base_url=policy.base_url, sampling=SamplingSpec())
+        response = msgspec.convert(post_json(service.url + "/rollouts", msgspec.to_builtins(request)), RolloutResponse)
+        assert [r.status for r in response.results] == ["completed"] * len(episodes)
+        time.sleep(0.5)
+    assert backend.finished.is_set() is not fail
+    stderr = capfd.readouterr().err
+    if fail:
+        assert "warm-up failed: ImportError: no module named heavy_upstream" in stderr
+    else:
+        assert re.search(r"warmed up in \d+\.\d s", stderr)
+
+
 def test_policy_calls_need_an_episode_and_every_channel_works():
     scripts = {"ep/1": [{"text": "Antwort: 3"}]}
     with ScriptedPolicyServer(scripts) as policy:

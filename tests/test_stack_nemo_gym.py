@@ -41,7 +41,7 @@ def test_environment_has_nemo_gym_and_no_other_stack(env):
 
 
 DRIVER = r"""
-import json, sys
+import json, os, sys
 from runner_kit.rollout import PolicyEndpoint
 from runner_contracts import EpisodeSpec, SamplingSpec
 import msgspec
@@ -53,14 +53,24 @@ args = json.loads(sys.stdin.read())
 episodes = [msgspec.convert(spec, EpisodeSpec) for spec in args["episodes"]]
 backend = NemoGymBackend({episode.family for episode in episodes})
 backend.start()
+backend.warm_up()  # as the rollout service does
+standbys = [process.pid for process, _ in backend._standbys]
 try:
     policy = PolicyEndpoint(base_url=args["base_url"], model="scripted-policy",
                             sampling=msgspec.convert(args["sampling"], SamplingSpec))
     with ThreadPoolExecutor(4) as pool:
         for result in pool.map(lambda episode: backend.run_episode(episode, policy), episodes):
             print(json.dumps(msgspec.to_builtins(result)), flush=True)
+    harness = [s.process.pid for s in backend._servers.values() if s.kind != "resources"]
 finally:
     backend.stop()
+def exists(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+print(json.dumps({"standbys": standbys, "harness": harness, "alive_after_stop": [p for p in standbys + harness if exists(p)]}))
 """
 
 
@@ -73,9 +83,16 @@ def test_scripted_episodes_score_as_the_reference(env):
                              text=True, timeout=180)
         assert run.returncode == 0, run.stderr[-3000:]
         calls = list(policy.calls)
+    *lines, processes = run.stdout.splitlines()
+    processes = json.loads(processes)
+    # The first model server and agent are the two standbys warm_up() started (NeMo Gym imported before
+    # the policy's address was known); the other families' agents start cold; stop() ends them all.
+    assert len(processes["standbys"]) == 2 and len(processes["harness"]) > 2, processes
+    assert set(processes["standbys"]) < set(processes["harness"]), processes
+    assert processes["alive_after_stop"] == []
     # Every call names its episode twice (header X-Episode-ID, which the policy server reads first, and
     # body metadata.episode_id), and carries the family's tools exactly as openai_tools renders them.
-    assert_scripted_results([json.loads(line) for line in run.stdout.splitlines()], cases, calls, "header")
+    assert_scripted_results([json.loads(line) for line in lines], cases, calls, "header")
     for call in calls:
         assert call["body"]["metadata"]["episode_id"] == call["episode_id"]
         family = cases[call["episode_id"]][0]

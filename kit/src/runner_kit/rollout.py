@@ -136,6 +136,11 @@ class RolloutBackend:
     def start(self) -> None:
         """Starts the upstream environment server(s) on 127.0.0.1 and waits until they answer."""
 
+    def warm_up(self) -> None:
+        """Optional: loads what the first episode would otherwise load (a heavy import, a server that waits
+        for the policy's address). The rollout service calls it in the background once it is up, so it
+        overlaps the trainer's start instead of the first batch; it must be safe to run alongside episodes."""
+
     def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
         raise NotImplementedError
 
@@ -507,7 +512,17 @@ class RolloutService:
     def __enter__(self) -> RolloutService:
         self.backend.start()
         self.server.start()
+        threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
         return self
+
+    def _warm_up(self) -> None:
+        started = time.monotonic()
+        try:
+            self.backend.warm_up()
+        except Exception as error:  # noqa: BLE001 - the first episode meets the same fault and reports it
+            print(f"rollout service: warm-up failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            return
+        print(f"rollout service: warmed up in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc: Any) -> None:
         self.server.stop()

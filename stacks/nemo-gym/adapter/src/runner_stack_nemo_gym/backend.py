@@ -9,6 +9,10 @@ and build a venv per server from PyPI):
   Completions path);
 - a stock `simple_agent` per (family, policy, max_turns): its `max_steps` is a server setting.
 
+The model server and the agent wait for the first episode (they need the policy's address and max_turns);
+two standby processes that have already imported NeMo Gym become the first of them (`warm_up`), so the
+first batch does not wait ~4 s for two cold imports.
+
 Servers find each other the way NeMo Gym's launcher wires them: each process gets the global config dict
 in NEMO_GYM_CONFIG_DICT and its own instance name in NEMO_GYM_CONFIG_PATH; ServerClient resolves names to
 host:port from that dict.
@@ -42,6 +46,7 @@ from runner_kit.processes import HOST, free_port, spawn
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
 READY_TIMEOUT_S = 90.0
+STANDBY_KINDS = ("model", "agent")  # the harness servers the first episode starts, one standby each
 EPISODE_TIMEOUT_S = 900.0
 
 
@@ -91,6 +96,7 @@ class NemoGymBackend(RolloutBackend):
         self._servers: dict[str, Server] = {}
         self._workdir: Path | None = None
         self._head_port = 0
+        self._standbys: list[tuple[subprocess.Popen, Path]] = []  # (process, its log)
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -107,20 +113,35 @@ class NemoGymBackend(RolloutBackend):
                 self._head_port = free_port()
         self._bring_up([self._resources_server(family) for family in self.families])
 
+    def warm_up(self) -> None:
+        """Starts the standbys (each imports NeMo Gym and waits on stdin to be told which server it is)."""
+        with self._lock:
+            if self._workdir is None or self._standbys:
+                return
+            for index in range(len(STANDBY_KINDS)):
+                path = self._workdir / f"standby-{index}.log"
+                with open(path, "ab") as log:
+                    process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", "standby"],
+                                    cwd=self._workdir, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+                self._standbys.append((process, path))
+
     def stop(self) -> None:
         with self._lock:
             servers = list(self._servers.values())
             self._servers.clear()
-        for server in servers:
-            if server.alive():
-                server.process.terminate()
-        for server in servers:
-            if server.process is not None:
-                try:
-                    server.process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    server.process.kill()
-                    server.process.wait()
+            unused, self._standbys = self._standbys, []
+        processes = [server.process for server in servers if server.process is not None] + [p for p, _ in unused]
+        for process, _ in unused:
+            process.stdin.close()  # EOF: the standby exits
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         if self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
@@ -194,9 +215,21 @@ class NemoGymBackend(RolloutBackend):
         if server.kind == "agent":
             peers += [self._servers[server.settings["resources_server"]["name"]],
                       self._servers[server.settings["model_server"]["name"]]]
-        env = dict(os.environ)
-        env["NEMO_GYM_CONFIG_DICT"] = json.dumps(self._config_for(*peers))
-        env["NEMO_GYM_CONFIG_PATH"] = server.name
+        config = {"NEMO_GYM_CONFIG_DICT": json.dumps(self._config_for(*peers)), "NEMO_GYM_CONFIG_PATH": server.name}
+        standby = self._standby_for(server)
+        if standby is not None:
+            try:
+                standby.stdin.write(json.dumps({"argv": [server.kind, server.server_class], "env": config}).encode()
+                                    + b"\n")
+                standby.stdin.close()
+            except OSError:  # it died: start the server as usual
+                standby = None
+        if standby is not None:
+            with self._lock:
+                server.process = standby
+                server.generation += 1
+            return
+        env = {**os.environ, **config}
         with open(self._workdir / f"{server.name}.log", "ab") as log:
             process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind,
                              *([server.server_class] if server.server_class else [])],
@@ -204,6 +237,19 @@ class NemoGymBackend(RolloutBackend):
         with self._lock:
             server.process = process
             server.generation += 1
+
+    def _standby_for(self, server: Server) -> subprocess.Popen | None:
+        """A live standby for the first start of a model server or agent (its log renamed after it), or None."""
+        if server.kind not in STANDBY_KINDS or server.generation:
+            return None
+        with self._lock:
+            while self._standbys:
+                standby, log = self._standbys.pop(0)
+                if standby.poll() is None:
+                    with contextlib.suppress(OSError):
+                        log.rename(self._workdir / f"{server.name}.log")
+                    return standby
+        return None
 
     def _wait_ready(self, server: Server) -> None:
         process = server.process

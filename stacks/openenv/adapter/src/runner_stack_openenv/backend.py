@@ -22,7 +22,8 @@ from runner_kit.policy import openai_tools, tool_call_arguments
 from runner_kit.processes import SocketServer
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, ServerBackend
 
-# Imported lazily by _env_client(): importing openenv.core pulls in gradio (~1.4 s), and probe needs none of it.
+# Imported lazily by _env_client(): importing openenv.core pulls in its server side, gradio included (~2.5 s of
+# CPU), and probe needs none of it. The rollout service imports it in the background (warm_up).
 _CLIENT: Any = None
 
 
@@ -96,6 +97,9 @@ class OpenEnvBackend(ServerBackend):
 
             native_environment_class(self.native.env)
         super().start()
+
+    def warm_up(self) -> None:
+        _env_client()
 
     def bench_step_latency(self, steps: int) -> dict[str, list[float]]:
         """One calc-tool tool step, timed through upstream's GenericEnvClient and through our TaskEnvClient,
