@@ -62,6 +62,7 @@ try:
         for result in pool.map(lambda episode: backend.run_episode(episode, policy), episodes):
             print(json.dumps(msgspec.to_builtins(result)), flush=True)
     harness = [s.process.pid for s in backend._servers.values() if s.kind != "resources"]
+    replacements = [process.pid for process, _ in backend._standbys]
 finally:
     backend.stop()
 def exists(pid):
@@ -70,7 +71,8 @@ def exists(pid):
     except ProcessLookupError:
         return False
     return True
-print(json.dumps({"standbys": standbys, "harness": harness, "alive_after_stop": [p for p in standbys + harness if exists(p)]}))
+print(json.dumps({"standbys": standbys, "harness": harness, "replacements": replacements,
+                  "alive_after_stop": [p for p in standbys + harness + replacements if exists(p)]}))
 """
 
 
@@ -86,9 +88,11 @@ def test_scripted_episodes_score_as_the_reference(env):
     *lines, processes = run.stdout.splitlines()
     processes = json.loads(processes)
     # The first model server and agent are the two standbys warm_up() started (NeMo Gym imported before
-    # the policy's address was known); the other families' agents start cold; stop() ends them all.
+    # the policy's address was known), each replaced by a new standby for the next stage's; the other
+    # families' agents start cold; stop() ends them all.
     assert len(processes["standbys"]) == 2 and len(processes["harness"]) > 2, processes
     assert set(processes["standbys"]) < set(processes["harness"]), processes
+    assert len(processes["replacements"]) == 2 and not set(processes["replacements"]) & set(processes["harness"])
     assert processes["alive_after_stop"] == []
     # Every call names its episode twice (header X-Episode-ID, which the policy server reads first, and
     # body metadata.episode_id), and carries the family's tools exactly as openai_tools renders them.

@@ -10,8 +10,8 @@ and build a venv per server from PyPI):
 - a stock `simple_agent` per (family, policy, max_turns): its `max_steps` is a server setting.
 
 The model server and the agent wait for the first episode (they need the policy's address and max_turns);
-two standby processes that have already imported NeMo Gym become the first of them (`warm_up`), so the
-first batch does not wait ~4 s for two cold imports.
+two standby processes that have already imported NeMo Gym become them (`warm_up`; each used one is
+replaced in the background), so a stage's first batch does not wait ~4 s for two cold imports.
 
 Servers find each other the way NeMo Gym's launcher wires them: each process gets the global config dict
 in NEMO_GYM_CONFIG_DICT and its own instance name in NEMO_GYM_CONFIG_PATH; ServerClient resolves names to
@@ -97,6 +97,7 @@ class NemoGymBackend(RolloutBackend):
         self._workdir: Path | None = None
         self._head_port = 0
         self._standbys: list[tuple[subprocess.Popen, Path]] = []  # (process, its log)
+        self._standbys_started = 0
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -116,20 +117,27 @@ class NemoGymBackend(RolloutBackend):
     def warm_up(self) -> None:
         """Starts the standbys (each imports NeMo Gym and waits on stdin to be told which server it is)."""
         with self._lock:
-            if self._workdir is None or self._standbys:
+            if not self._standbys:
+                for _ in STANDBY_KINDS:
+                    self._add_standby()
+
+    def _add_standby(self) -> None:
+        with self._lock:
+            if self._workdir is None:  # stopped
                 return
-            for index in range(len(STANDBY_KINDS)):
-                path = self._workdir / f"standby-{index}.log"
-                with open(path, "ab") as log:
-                    process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", "standby"],
-                                    cwd=self._workdir, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
-                self._standbys.append((process, path))
+            self._standbys_started += 1
+            path = self._workdir / f"standby-{self._standbys_started}.log"
+            with open(path, "ab") as log:
+                process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", "standby"],
+                                cwd=self._workdir, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+            self._standbys.append((process, path))
 
     def stop(self) -> None:
         with self._lock:
             servers = list(self._servers.values())
             self._servers.clear()
             unused, self._standbys = self._standbys, []
+            workdir, self._workdir = self._workdir, None  # no standby starts from here on
         processes = [server.process for server in servers if server.process is not None] + [p for p, _ in unused]
         for process, _ in unused:
             process.stdin.close()  # EOF: the standby exits
@@ -142,9 +150,8 @@ class NemoGymBackend(RolloutBackend):
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
-            self._workdir = None
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     def environment_pids(self) -> list[int]:
         """The running resources servers (agents and model servers are the harness)."""
@@ -239,7 +246,9 @@ class NemoGymBackend(RolloutBackend):
             server.generation += 1
 
     def _standby_for(self, server: Server) -> subprocess.Popen | None:
-        """A live standby for the first start of a model server or agent (its log renamed after it), or None."""
+        """A live standby for the first start of a model server or agent (its log renamed after it), or None.
+        A new standby replaces it in the background: each stage's trainer serves the policy at a new
+        address, so each stage starts a model server and an agent of its own."""
         if server.kind not in STANDBY_KINDS or server.generation:
             return None
         with self._lock:
@@ -248,6 +257,7 @@ class NemoGymBackend(RolloutBackend):
                 if standby.poll() is None:
                     with contextlib.suppress(OSError):
                         log.rename(self._workdir / f"{server.name}.log")
+                    threading.Thread(target=self._add_standby, name="standby", daemon=True).start()
                     return standby
         return None
 
