@@ -223,42 +223,37 @@ class NemoGymBackend(RolloutBackend):
             peers += [self._servers[server.settings["resources_server"]["name"]],
                       self._servers[server.settings["model_server"]["name"]]]
         config = {"NEMO_GYM_CONFIG_DICT": json.dumps(self._config_for(*peers)), "NEMO_GYM_CONFIG_PATH": server.name}
-        standby = self._standby_for(server)
-        if standby is not None:
-            try:
-                standby.stdin.write(json.dumps({"argv": [server.kind, server.server_class], "env": config}).encode()
-                                    + b"\n")
-                standby.stdin.close()
-            except OSError:  # it died: start the server as usual
-                standby = None
-        if standby is not None:
-            with self._lock:
-                server.process = standby
-                server.generation += 1
-            return
-        env = {**os.environ, **config}
-        with open(self._workdir / f"{server.name}.log", "ab") as log:
-            process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind,
-                             *([server.server_class] if server.server_class else [])],
-                            cwd=self._workdir, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        process = self._standby_as(server, config)
+        if process is None:
+            with open(self._workdir / f"{server.name}.log", "ab") as log:
+                process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind,
+                                 *([server.server_class] if server.server_class else [])], cwd=self._workdir,
+                                env={**os.environ, **config}, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT)
         with self._lock:
             server.process = process
             server.generation += 1
 
-    def _standby_for(self, server: Server) -> subprocess.Popen | None:
-        """A live standby for the first start of a model server or agent (its log renamed after it), or None.
-        A new standby replaces it in the background: each stage's trainer serves the policy at a new
-        address, so each stage starts a model server and an agent of its own."""
+    def _standby_as(self, server: Server, config: dict[str, str]) -> subprocess.Popen | None:
+        """A live standby told to become `server` (its log renamed after it), for the first start of a model
+        server or agent; None otherwise. A new standby replaces it in the background: each stage's trainer
+        serves the policy at a new address, so each stage starts a model server and an agent of its own."""
         if server.kind not in STANDBY_KINDS or server.generation:
             return None
         with self._lock:
             while self._standbys:
                 standby, log = self._standbys.pop(0)
-                if standby.poll() is None:
-                    with contextlib.suppress(OSError):
-                        log.rename(self._workdir / f"{server.name}.log")
-                    threading.Thread(target=self._add_standby, name="standby", daemon=True).start()
-                    return standby
+                try:
+                    standby.stdin.write(json.dumps({"argv": [server.kind, server.server_class], "env": config})
+                                        .encode() + b"\n")
+                    standby.stdin.close()
+                except OSError:  # it died: try the next one
+                    standby.wait()
+                    continue
+                with contextlib.suppress(OSError):
+                    log.rename(self._workdir / f"{server.name}.log")
+                threading.Thread(target=self._add_standby, name="standby", daemon=True).start()
+                return standby
         return None
 
     def _wait_ready(self, server: Server) -> None:
