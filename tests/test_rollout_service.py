@@ -135,7 +135,6 @@ def test_the_service_warms_its_backend_up_in_the_background_and_serves_meanwhile
         request = RolloutRequest(episodes=episodes, policy_base_url=policy.base_url, sampling=SamplingSpec())
         response = msgspec.convert(post_json(service.url + "/rollouts", msgspec.to_builtins(request)), RolloutResponse)
         assert [r.status for r in response.results] == ["completed"] * len(episodes)
-        time.sleep(0.5)
     assert backend.finished.is_set() is not fail
     stderr = capfd.readouterr().err
     if fail:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from .http import Call, HttpError
+from .http import Call, HttpError, JsonServer, Reply
 
 EPISODE_PREFIX = r"(?:/episodes/(?P<episode>[^/]+))?"
 CHAT_PATH = EPISODE_PREFIX + r"/v1/chat/completions"
@@ -121,6 +121,16 @@ def stream_chunks(body: dict[str, Any]) -> Iterator[bytes]:
 
 def models_body(model: str) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "runner"}]}
+
+
+def policy_endpoints(model: str, chat, generate) -> JsonServer:
+    """The server of a policy endpoint (not started): /v1/models naming `model`, chat completions answered by
+    `chat` and token-in/token-out generate by `generate` (each takes a Call and returns a Reply)."""
+    return JsonServer([
+        ("GET", MODELS_PATH, lambda call: Reply(body=models_body(model))),
+        ("POST", CHAT_PATH, chat),
+        ("POST", GENERATE_PATH, generate),
+    ])
 
 
 def openai_tools(family) -> list[dict[str, Any]]:

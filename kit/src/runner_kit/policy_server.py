@@ -25,16 +25,13 @@ from typing import Any
 from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec
 
 from .batching import MAX_ROWS, BatchingSampler
-from .http import Call, HttpError, JsonServer, Reply
+from .http import Call, HttpError, Reply
 from .policy import (
-    CHAT_PATH,
-    GENERATE_PATH,
-    MODELS_PATH,
     canonical_messages,
     canonical_tools,
     chat_completion,
     episode_of,
-    models_body,
+    policy_endpoints,
     split_attempt,
     stream_chunks,
     token_logprobs,
@@ -108,11 +105,7 @@ class PolicyServer:
         self._episodes: dict[str, _EpisodeHistory] = {}
         self._calls: dict[tuple[str | None, int], list[PolicyCall]] = {}  # (episode, attempt) -> calls in order
         self._unattributed = 0
-        self._server = JsonServer([
-            ("GET", MODELS_PATH, lambda call: Reply(body=models_body(self.model_name))),
-            ("POST", CHAT_PATH, self._chat),
-            ("POST", GENERATE_PATH, self._generate_tokens),
-        ])
+        self._server = policy_endpoints(self.model_name, self._chat, self._generate_tokens)
 
     @property
     def base_url(self) -> str:
@@ -163,6 +156,13 @@ class PolicyServer:
             self._writer.write(record)
             self._writer.flush()
 
+    def _next_call(self, episode: str) -> tuple[_EpisodeHistory, int]:
+        """The episode's history and the index of its call being made (counted now)."""
+        with self._log_lock:
+            history = self._episodes.setdefault(episode, _EpisodeHistory())
+            history.calls += 1
+            return history, history.calls - 1
+
     def _attribute(self, call: Call, endpoint: str) -> tuple[str, str]:
         episode, channel = episode_of(call)
         if episode is None:
@@ -203,10 +203,7 @@ class PolicyServer:
         if not messages:
             raise HttpError(400, "messages must be a non-empty list")
         tools = canonical_tools(body.get("tools"))
-        with self._log_lock:
-            history = self._episodes.setdefault(episode, _EpisodeHistory())
-            index = history.calls
-            history.calls += 1
+        history, index = self._next_call(episode)
         prompt_ids = self._prompt_ids(history, messages, tools)
         record = self._sample_logged(episode, channel, "chat", prompt_ids, body, index)
         text = completion_text(self.tokenizer, record.completion_ids, self.tool_format)
@@ -235,10 +232,7 @@ class PolicyServer:
         if not isinstance(prompt_ids, list) or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
             raise HttpError(400, "token_ids must be a list of non-negative integers")
         params = dict(body.get("sampling_params") or {})
-        with self._log_lock:
-            history = self._episodes.setdefault(episode, _EpisodeHistory())
-            index = history.calls
-            history.calls += 1
+        _, index = self._next_call(episode)
         record = self._sample_logged(episode, channel, "generate", prompt_ids, params, index)
         return Reply(body={"choices": [{
             "index": 0, "token_ids": record.completion_ids, "finish_reason": record.finish_reason,

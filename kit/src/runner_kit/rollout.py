@@ -512,7 +512,8 @@ class RolloutService:
     def __enter__(self) -> RolloutService:
         self.backend.start()
         self.server.start()
-        threading.Thread(target=self._warm_up, name="warm-up", daemon=True).start()
+        self._warming = threading.Thread(target=self._warm_up, name="warm-up", daemon=True)
+        self._warming.start()
         return self
 
     def _warm_up(self) -> None:
@@ -526,6 +527,7 @@ class RolloutService:
 
     def __exit__(self, *exc: Any) -> None:
         self.server.stop()
+        self._warming.join()  # the backend stops after its warm-up, not while it runs
         self.backend.stop()
 
 

@@ -15,14 +15,12 @@ from typing import Any
 
 from runner_contracts import PolicyCall
 
-from .http import Call, HttpError, JsonServer, Reply
+from .http import Call, HttpError, Reply
 from .policy import (
     CHAT_PATH,
-    GENERATE_PATH,
-    MODELS_PATH,
     chat_completion,
     episode_of,
-    models_body,
+    policy_endpoints,
     require_episode,
     split_attempt,
     stream_chunks,
@@ -40,11 +38,7 @@ class ScriptedPolicyServer:
         self.tool_format = tool_format  # how a malformed call is written (the plan's policy.tool_format)
         self.calls: list[dict[str, Any]] = []
         self._lock = threading.Lock()
-        self._server = JsonServer([
-            ("GET", MODELS_PATH, lambda call: Reply(body=models_body(self.model))),
-            ("POST", CHAT_PATH, self._chat),
-            ("POST", GENERATE_PATH, self._generate),
-        ])
+        self._server = policy_endpoints(self.model, self._chat, self._generate)
 
     @property
     def base_url(self) -> str:
