@@ -129,6 +129,54 @@ def test_gateway_capture_equals_the_policy_servers_log(env, tmp_path):
         assert row is not None and row.breaks == 0 and row.calls_used == len(captured), row
 
 
+OPENAI_PROGRAM = r"""
+import json, os, threading
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+if __name__ == "__main__":
+    print(json.dumps({"ppid": os.getppid(), "threads": threading.active_count(),
+                      "built": [model.__pydantic_complete__ for model in (ChatCompletion, ChatCompletionChunk)],
+                      "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd"))}))
+"""
+
+PREFORK_DRIVER = r"""
+import json, subprocess, sys, time
+from pathlib import Path
+from runner_kit.prefork import OPENAI_MODULES, start_prefork
+
+folder, script = Path(sys.argv[1]), Path(sys.argv[2])
+server, launcher = start_prefork(folder, script, OPENAI_MODULES)
+deadline = time.monotonic() + 60
+while True:  # until the fork server answers (the launcher starts the program plainly before that)
+    said = json.loads(subprocess.run([str(launcher), str(script)], capture_output=True, text=True, check=True).stdout)
+    if said["ppid"] == server.pid or time.monotonic() > deadline:
+        break
+    time.sleep(0.2)
+server.kill()
+server.wait()
+print(json.dumps({**said, "server": said["ppid"] == server.pid}))
+"""
+
+
+def test_the_fork_server_warms_the_openai_sdk_for_the_programs_it_forks(env, tmp_path):
+    """The fork server makes chat-completion calls through the OpenAI SDK against a throwaway server before it
+    forks: a forked program finds the SDK's response models built (a plain start builds them on first use),
+    and neither that server's thread nor its socket."""
+    script = tmp_path / "program.py"
+    script.write_text(OPENAI_PROGRAM)
+    plain = json.loads(subprocess.run([str(env.python), str(script)], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert plain["built"] == [False, False]
+    forked = subprocess.run([str(env.python), "-c", PREFORK_DRIVER, str(tmp_path / "prefork"), str(script)],
+                            capture_output=True, text=True, timeout=120)
+    assert forked.returncode == 0, forked.stderr[-2000:]
+    said = json.loads(forked.stdout)
+    assert said["server"], "the fork server never answered"
+    assert said["built"] == [True, True]
+    assert said["threads"] == 1
+    assert said["fds"] == plain["fds"]  # stdio and the listing's own descriptor
+
+
 HARNESS_KILL = r"""
 import json, sys, threading, time
 import msgspec
