@@ -190,19 +190,22 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
         options["demonstrations"] = str(((arm.arm_dir or arm.run_dir) / "stages" / "distill" / TEACHER_FILE).resolve())
     env = arm.env
     on_gpu = on_gpu or arm.trains_on_gpu(stage)
+    # Trainer jobs (but the probe) use the arm's rollout service; so does the service stage's job, which runs
+    # its scripted episodes there rather than start the stack's environment a second time.
+    uses_service = (not on_gpu and arm.service_env is not None and stage != "probe"
+                    and (not in_stack_env or stage == "service"))
     if on_gpu:
         assert arm.gpu_env is not None
         env, in_stack_env = arm.gpu_env, True
-    elif arm.service_env is not None:
-        if in_stack_env:
-            env = arm.service_env
-        elif stage != "probe":
-            options["rollout_service"] = arm.rollout_service_url()
+    elif arm.service_env is not None and in_stack_env:
+        env = arm.service_env
+    if uses_service:
+        options["rollout_service"] = arm.rollout_service_url()
     request = StageRequest(run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan=arm.request_plan(),
                            out_dir=str(out_dir.resolve()), policy_dir=str(arm.policy_dir) if arm.policy_dir else None,
                            steps=steps,
                            resume_from=str(resume_from.resolve()) if resume_from else None, options=options)
-    peer = arm.service if arm.service_env is not None and not in_stack_env and stage != "probe" else None
+    peer = arm.service if uses_service else None
     left = arm.time_left()
     if left <= 0:
         raise AdapterFailed(ErrorInfo(kind="timeout", message=f"{arm.current_stage or stage} used up the plan's "
@@ -211,8 +214,8 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
     outcome = arm.engine.run(env, request, timeout_s=left, kill_when=kill_when, peer=peer)
     for log in (outcome.stdout, outcome.stderr):
         redact_file(log)
-    if not outcome.ok and not in_stack_env:
-        # A trainer that died mid-batch leaves the rollout service working for a dead policy server
+    if not outcome.ok and uses_service:
+        # A job that died mid-batch leaves the rollout service working for a dead policy server
         # (some upstreams retry a refused connection forever): the next job gets a fresh service.
         arm.close()
     result = None

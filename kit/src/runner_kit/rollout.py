@@ -404,22 +404,29 @@ def _probe(backend: RolloutBackend, request: StageRequest) -> StageResult:
 
 
 def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:
-    """Scripted known-good and known-bad episodes through the stack's native loop and scoring."""
+    """Scripted known-good and known-bad episodes through the stack's native loop and scoring: on the arm's
+    running rollout service when the request names one (option `rollout_service`: the environment is not
+    started a second time), else on a backend started here."""
     plan = request.plan
     episodes = [(EpisodeSpec(episode_id=f"service/{item.task_id}/{case['case']}", task_id=item.task_id,
                              family=family_name, item=item.to_json(), seed=0, max_turns=plan.budget.max_turns), item, case)
                 for family_name, item, case in service_cases(plan, int(request.options.get("items_per_family", 3)))]
     scripts = {episode.episode_id: case["turns"] for episode, _, case in episodes}
-    backend.start()
-    try:
-        with ScriptedPolicyServer(scripts, plan.policy.tool_format) as scripted:
-            batch = RolloutRequest(episodes=[e for e, _, _ in episodes], policy_base_url=scripted.base_url,
-                                   policy_model=scripted.model, sampling=plan.sampling, concurrency=2,
-                                   tool_format=plan.policy.tool_format, episode_timeout_s=plan.budget.attempt_timeout_s())
-            response = BatchRunner(backend).run(batch)
-            calls = scripted.call_records()
-    finally:
-        backend.stop()
+    service_url = request.options.get("rollout_service")
+    with ScriptedPolicyServer(scripts, plan.policy.tool_format) as scripted:
+        batch = RolloutRequest(episodes=[e for e, _, _ in episodes], policy_base_url=scripted.base_url,
+                               policy_model=scripted.model, sampling=plan.sampling, concurrency=2,
+                               tool_format=plan.policy.tool_format, episode_timeout_s=plan.budget.attempt_timeout_s())
+        if service_url:
+            response = msgspec.convert(post_json(f"{service_url}/rollouts", msgspec.to_builtins(batch),
+                                                 timeout=plan.budget.wall_clock_s), RolloutResponse)
+        else:
+            backend.start()
+            try:
+                response = BatchRunner(backend).run(batch)
+            finally:
+                backend.stop()
+        calls = scripted.call_records()
     out = Path(request.out_dir)
     with JsonlWriter(out / "service.jsonl") as writer:
         for (episode, item, case), result in zip(episodes, response.results, strict=True):

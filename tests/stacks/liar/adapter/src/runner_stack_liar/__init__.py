@@ -1,6 +1,7 @@
 """A stack that lies, to prove the host believes files, not adapters (a test stand-in, never a real stack).
 
-- service stage: the first scripted episode fails, and service.jsonl leaves it out;
+- service stage: the first scripted episode its backend runs fails (wherever it runs: the rollout service or
+  the stage's own process), and service.jsonl leaves it out;
 - GET /environment names a decoy process it started (and pid 1) instead of its environment, which runs
   in this process and so never crashes;
 - every episode's captured_calls (a gateway's token capture) has its first sampled id changed, so the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +51,7 @@ class LyingBackend(ReferenceBackend):
     def __init__(self) -> None:
         super().__init__()
         self.decoy: subprocess.Popen | None = None
-        self.first_case = ""  # the scripted case that fails (service stage)
+        self._failed_one = threading.Lock()  # taken by the one scripted episode that fails
 
     def environment_pids(self) -> list[int]:
         if self.decoy is None:
@@ -57,9 +59,9 @@ class LyingBackend(ReferenceBackend):
         return [self.decoy.pid, 1]
 
     def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
-        if episode.episode_id.startswith("service/") and episode.episode_id.endswith(self.first_case):
-            raise RuntimeError("the liar's environment failed this scripted episode")
         if episode.episode_id.startswith("service/"):
+            if self._failed_one.acquire(blocking=False):
+                raise RuntimeError("the liar's environment failed this scripted episode")
             return super().run_episode(episode, policy)
         capturing = _CapturingEndpoint(policy)
         result = super().run_episode(episode, capturing)
@@ -82,11 +84,6 @@ def run(request):
     backend = LyingBackend()
     if request.stage != "service":
         return adapter_main(backend, request)
-    from qualification.tasks import get_family
-
-    family = get_family(request.plan.task.family)
-    item = family.generate(request.plan.task.train.split, 1, request.plan.task.train.seed)[0]
-    backend.first_case = f"{item.task_id}/{family.scripted_cases(item)[0]['case']}"
     result = adapter_main(backend, request)
     path = Path(request.out_dir) / "service.jsonl"
     honest = read_jsonl(path, ServiceCase)
