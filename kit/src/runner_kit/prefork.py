@@ -208,8 +208,8 @@ def _warm_openai_sdk() -> None:
     server = http.server.HTTPServer(("127.0.0.1", 0), WarmServer)
     thread = threading.Thread(target=server.serve_forever, args=(0.01,), name="prefork-warm", daemon=True)
     thread.start()
-    no_proxy = os.environ.get("NO_PROXY")
-    os.environ["NO_PROXY"] = "*"  # the calls go to 127.0.0.1, whatever proxy the environment names
+    no_proxy = {name: os.environ.get(name) for name in ("NO_PROXY", "no_proxy")}
+    os.environ.update(dict.fromkeys(no_proxy, "*"))  # the calls go to 127.0.0.1, whatever proxy is named
     try:
         base_url = f"http://127.0.0.1:{server.server_port}/v1"
         with openai.OpenAI(base_url=base_url, api_key="warm", max_retries=0, timeout=10) as client:
@@ -218,10 +218,11 @@ def _warm_openai_sdk() -> None:
                 pass
         asyncio.run(async_calls(base_url))
     finally:
-        if no_proxy is None:
-            os.environ.pop("NO_PROXY", None)
-        else:
-            os.environ["NO_PROXY"] = no_proxy
+        for name, value in no_proxy.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         server.shutdown()
         server.server_close()
         thread.join()
