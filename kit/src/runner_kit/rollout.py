@@ -403,6 +403,17 @@ def _probe(backend: RolloutBackend, request: StageRequest) -> StageResult:
                                 "reach": reachability([request.policy_dir] if request.policy_dir else [])})
 
 
+def post_rollouts(service_url: str, batch: RolloutRequest, *, timeout: float) -> RolloutResponse:
+    """The rollout service's answer to `batch`; raises when an episode came back without a result."""
+    response = msgspec.convert(post_json(f"{service_url}/rollouts", msgspec.to_builtins(batch), timeout=timeout),
+                               RolloutResponse)
+    returned = {result.episode_id for result in response.results}
+    lost = [episode.episode_id for episode in batch.episodes if episode.episode_id not in returned]
+    if lost:
+        raise RuntimeError(f"the rollout service returned no result for {len(lost)} episode(s): {lost[:3]}")
+    return response
+
+
 def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:
     """Scripted known-good and known-bad episodes through the stack's native loop and scoring: on the arm's
     running rollout service when the request names one (option `rollout_service`: the environment is not
@@ -418,8 +429,7 @@ def _service(backend: RolloutBackend, request: StageRequest) -> StageResult:
                                policy_model=scripted.model, sampling=plan.sampling, concurrency=2,
                                tool_format=plan.policy.tool_format, episode_timeout_s=plan.budget.attempt_timeout_s())
         if service_url:
-            response = msgspec.convert(post_json(f"{service_url}/rollouts", msgspec.to_builtins(batch),
-                                                 timeout=plan.budget.wall_clock_s), RolloutResponse)
+            response = post_rollouts(service_url, batch, timeout=plan.budget.wall_clock_s)
         else:
             backend.start()
             try:

@@ -27,8 +27,8 @@ from runner_contracts import (
     StageResult,
 )
 from runner_kit.continuity import chain_calls
-from runner_kit.http import post_json
 from runner_kit.policy_server import CallHold, PolicyServer
+from runner_kit.rollout import post_rollouts
 
 from .grpo import Recorder, get_item_id, task_rows, training_metrics
 
@@ -40,13 +40,7 @@ def request_rollouts(service_url: str, episodes: list[EpisodeSpec], server: Poli
     batch = RolloutRequest(episodes=episodes, policy_base_url=server.base_url, policy_model=server.model_name,
                            tokenizer_dir=str(tokenizer_dir), sampling=plan.sampling, concurrency=CONCURRENCY,
                            tool_format=plan.policy.tool_format, episode_timeout_s=plan.budget.attempt_timeout_s())
-    reply = post_json(f"{service_url}/rollouts", msgspec.to_builtins(batch), timeout=plan.budget.wall_clock_s)
-    response = msgspec.convert(reply, RolloutResponse)
-    returned = {result.episode_id for result in response.results}
-    lost = [episode.episode_id for episode in episodes if episode.episode_id not in returned]
-    if lost:
-        raise RuntimeError(f"the rollout service returned no result for {len(lost)} episode(s): {lost[:3]}")
-    return response
+    return post_rollouts(service_url, batch, timeout=plan.budget.wall_clock_s)
 
 
 class EnvironmentReward:
