@@ -73,12 +73,14 @@ def generate_large(path: Path, gigabytes: float) -> int:
 def measure(mode: str, trajectories: Path, training: Path) -> dict:
     import msgspec
     import orjson
-    from qualification.gates import TraceAudit
-    from runner_contracts import TrainingRow, Trajectory, iter_jsonl
+    from qualification.gates import TraceAudit, trace
+    from runner_contracts import Trajectory
 
     from runner import _validate
     from runner.api import validate_file
 
+    if mode == "audit":
+        import numpy  # noqa: F401  (the audit's mismatch panel imports it on first use: an import, not audit time)
     started = time.perf_counter()
     records = 0
     if mode in ("orjson", "json"):
@@ -99,16 +101,20 @@ def measure(mode: str, trajectories: Path, training: Path) -> dict:
         records = report.records
     else:
         audit = TraceAudit(vocab_size=1000, group_size=4, tolerance=1e-3)
-        audit.add(lambda: (r for _, r in iter_jsonl(trajectories, Trajectory)),
-                  (r for _, r in iter_jsonl(training, TrainingRow)))
+        audit.add_files(trajectories, training)
         gates = audit.gates()
         assert all(g.passed for g in gates), [g for g in gates if not g.passed]
         records = audit.counts["episodes"]
     seconds = time.perf_counter() - started
-    # validate's worker processes count too: each at most as large as the largest of them (an upper bound,
-    # as pages a worker shares with its parent are counted twice)
-    parallel = mode == "validate" and trajectories.stat().st_size >= _validate.PARALLEL_FROM_BYTES
-    workers = _validate._workers() if parallel else 0
+    # validate's and the audit's worker processes count too: each at most as large as the largest of them (an
+    # upper bound, as pages a worker shares with its parent are counted twice)
+    size, both = trajectories.stat().st_size, trajectories.stat().st_size + training.stat().st_size
+    if mode == "validate" and size >= _validate.PARALLEL_FROM_BYTES:
+        workers = _validate._workers()
+    elif mode == "audit" and both >= trace.PARALLEL_FROM_BYTES:
+        workers = min(len(os.sched_getaffinity(0)), trace.MAX_WORKERS, max(2, -(-size // trace.PART_BYTES)))
+    else:
+        workers = 0
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if workers else 0.0
     return {"mode": mode, "seconds": seconds, "records": records, "workers": workers,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 + workers * children}

@@ -3,19 +3,16 @@ memory that does not grow with the file."""
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import multiprocessing
-import multiprocessing.pool
 import os
 from array import array
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
-from qualification.gates import SeenIds
+from qualification.gates import SeenIds, map_in_order
 
 from runner_contracts import (
     RECORD_TYPES,
@@ -28,6 +25,7 @@ from runner_contracts import (
     TrainingRow,
     Trajectory,
     decode_line,
+    line_ranges,
     read_record,
 )
 
@@ -159,16 +157,8 @@ def _check_range(path: Path, record_type: type[Record], start: int, end: int, la
 
 
 def _ranges(path: Path, size: int, chunk_bytes: int) -> list[tuple[int, int]]:
-    """[start, end) byte ranges of about `chunk_bytes` that each end at a newline (or the file's end)."""
-    bounds = [0]
-    with open(path, "rb") as handle:
-        while bounds[-1] + chunk_bytes < size:
-            handle.seek(bounds[-1] + chunk_bytes)
-            handle.readline()
-            bounds.append(min(handle.tell(), size))
-    if bounds[-1] < size:
-        bounds.append(size)
-    return list(zip(bounds, bounds[1:]))
+    """The non-empty ranges of lines, about `chunk_bytes` each."""
+    return [(start, end) for start, end in line_ranges(path, -(-size // chunk_bytes)) if start < end]
 
 
 def _workers() -> int:
@@ -208,7 +198,7 @@ def validate_file(path: Path, workers: int | None = None) -> FileReport:
     with contextlib.ExitStack() as stack:
         if workers > 1:
             pool = stack.enter_context(multiprocessing.get_context("fork").Pool(min(workers, len(jobs))))
-            chunks = _in_order(pool, jobs, window=2 * workers)
+            chunks = map_in_order(pool, _check_range_job, jobs, window=2 * workers)
         else:
             chunks = map(_check_range_job, jobs)
         for chunk in chunks:
@@ -225,18 +215,6 @@ def validate_file(path: Path, workers: int | None = None) -> FileReport:
     report.errors = errors[:MAX_ERRORS_PER_FILE]
     report.truncated_errors = len(errors) > MAX_ERRORS_PER_FILE
     return report
-
-
-def _in_order(pool: multiprocessing.pool.Pool, jobs: list, window: int) -> Iterator[_Chunk]:
-    """The jobs' chunks in order, at most `window` of them handed out and not yet taken, so a parent slower
-    than its workers (duplicate checks in SQLite) does not pile up their results in memory."""
-    pending: collections.deque = collections.deque()
-    for job in jobs:
-        pending.append(pool.apply_async(_check_range_job, (job,)))
-        if len(pending) >= window:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
 
 
 def _check_range_job(job: tuple[Path, type[Record], int, int, bool]) -> _Chunk:

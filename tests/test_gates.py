@@ -199,3 +199,85 @@ def test_any_order_of_rows_gives_the_same_audit_whatever_the_window(monkeypatch)
             whole_audit.counts, whole_audit.trained, whole_audit.rows) == (whole_audit.counts, 6, 6), seed
         second_reads += small_audit._spilled.deferred > 0
     assert second_reads > 0
+
+
+def test_an_audit_in_parts_on_worker_processes_gives_the_audit_of_the_whole_files(tmp_path, monkeypatch):
+    """Large files are audited in parts (the k-th byte range of each file) on worker processes and merged:
+    rows in any order across parts, one naming two episodes, one training an episode again, one naming an
+    unknown episode, an episode id repeated in a later part and trainer logprobs that differ from the
+    sampler's give the gates, counts and figures of the audit of the whole files, with one worker or two."""
+    import random
+
+    import pytest
+    from qualification.gates import trace
+    from runner_contracts import JsonlWriter
+
+    pairs = [make_episode(group=g, sample=s, reward=float(s)) for g in range(12) for s in range(2)]
+    trajectories = [p[0] for p in pairs] + [pairs[1][0]]
+    rows = [msgspec.structs.replace(row, old_logprobs=[lp + 1e-4 * index * mask for lp, mask in
+                                                       zip(row.old_logprobs, row.loss_mask, strict=True)])
+            for index, (_, row) in enumerate(pairs)]
+    both = msgspec.structs.replace(rows[4], row_id="both", episode_ids=[*rows[4].episode_ids, *rows[5].episode_ids],
+                                   input_ids=rows[4].input_ids + rows[5].input_ids,
+                                   loss_mask=rows[4].loss_mask + rows[5].loss_mask,
+                                   old_logprobs=rows[4].old_logprobs + rows[5].old_logprobs)
+    rows = [*rows[:4], both, *rows[6:], msgspec.structs.replace(rows[0], row_id="again"),
+            msgspec.structs.replace(rows[3], row_id="stray", episode_ids=["no-such-episode"])]
+
+    def audit_files(rows, workers):
+        with JsonlWriter(tmp_path / "trajectories.jsonl") as writer:
+            for trajectory in trajectories:
+                writer.write(trajectory)
+        with JsonlWriter(tmp_path / "training.jsonl") as writer:
+            for row in rows:
+                writer.write(row)
+        audit = TraceAudit(vocab_size=100, group_size=2, tolerance=1e-3)
+        audit.add_files(tmp_path / "trajectories.jsonl", tmp_path / "training.jsonl", workers=workers)
+        return {g.name: g for g in audit.gates() + audit.degeneracy_gates(0.5)}, audit
+
+    for order in ("file order", "reversed", "shuffled"):
+        ordered = {"file order": rows, "reversed": rows[::-1],
+                   "shuffled": random.Random(7).sample(rows, len(rows))}[order]
+        whole, whole_audit = audit_files(ordered, workers=2)
+        assert whole_audit._spilled is None or not whole_audit._spilled.left  # audited whole, in this process
+        with monkeypatch.context() as patch:
+            patch.setattr(trace, "PARALLEL_FROM_BYTES", 0)
+            patch.setattr(trace, "PART_BYTES", 3000)  # two to three trajectories a part
+            patch.setattr(trace._Groups, "SPILL_AT", 5)  # the merged groups move to disk
+            for workers in (1, 2):
+                parts, parts_audit = audit_files(ordered, workers=workers)
+                assert {n: (g.passed, pytest.approx(g.measured)) for n, g in parts.items()} == {
+                    n: (g.passed, g.measured) for n, g in whole.items()}, (order, workers)
+                assert parts_audit._spilled.left > 0  # rows whose episodes were in another part
+                assert (parts_audit.counts, parts_audit.trained, parts_audit.rows, parts_audit._revisions) == (
+                    whole_audit.counts, whole_audit.trained, whole_audit.rows, whole_audit._revisions), (order, workers)
+                assert parts_audit.reward_per_step() == pytest.approx(whole_audit.reward_per_step())
+                mismatch, whole_mismatch = parts_audit.mismatch.summary(), whole_audit.mismatch.summary()
+                assert mismatch["overall"] == pytest.approx(whole_mismatch["overall"], rel=1e-12)
+                assert mismatch["per_step"][1] == pytest.approx(whole_mismatch["per_step"][1], rel=1e-12)
+                assert parts_audit.groups_with_variance() == whole_audit.groups_with_variance() == (12, 12)
+        assert not whole["trace:unique-episodes"].passed and "rollout/s1/g0/1 appears twice" in (
+            parts["trace:unique-episodes"].detail)
+        assert whole["trace:every-episode-trained"].measured == 1 and "no-such-episode" in (
+            parts["trace:every-episode-trained"].detail)
+        assert not whole["trace:logprob-agreement"].passed and whole["trace:mask-provenance"].passed
+        assert whole_audit.mismatch.summary()["overall"]["tokens"] == 4 * 25  # 24 episodes, one trained again
+
+
+def test_an_unreadable_record_in_an_audit_in_parts_is_named_by_its_line(tmp_path, monkeypatch):
+    """A part that cannot read a record gives the audit back to one process, whose error names the line."""
+    import pytest
+    from qualification.gates import trace
+    from runner_contracts import RecordError
+
+    pairs = [make_episode(group=g, sample=s) for g in range(6) for s in range(2)]
+    (tmp_path / "trajectories.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t, _ in pairs))
+    rows = [msgspec.json.encode(row) + b"\n" for _, row in pairs]
+    rows[9] = rows[9].replace(b'"advantage":', b'"advantage":"high","was":')
+    (tmp_path / "training.jsonl").write_bytes(b"".join(rows))
+    monkeypatch.setattr(trace, "PARALLEL_FROM_BYTES", 0)
+    monkeypatch.setattr(trace, "PART_BYTES", 3000)
+    with pytest.raises(RecordError) as raised:
+        TraceAudit(vocab_size=100, group_size=2, tolerance=1e-3).add_files(
+            tmp_path / "trajectories.jsonl", tmp_path / "training.jsonl", workers=2)
+    assert (raised.value.line, raised.value.field) == (10, "advantage")

@@ -11,7 +11,7 @@ import msgspec
 
 from qualification.gates import TraceAudit, call_gates
 from qualification.tasks import get_family
-from runner_contracts import GateResult, PolicyCall, RolloutLedger, StageResult, TrainingRow, Trajectory, iter_jsonl
+from runner_contracts import GateResult, PolicyCall, RolloutLedger, StageResult, Trajectory
 
 from .._policy import vocab_size
 from .arm import Arm, read_any
@@ -20,8 +20,7 @@ from .arm import Arm, read_any
 def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] | None) -> tuple[list[GateResult], dict]:
     audit = TraceAudit(vocab_size=vocab_size(arm.policy_dir), group_size=arm.plan.budget.generations_per_prompt,
                        tolerance=arm.plan.gates.logprob_tolerance)
-    audit.add(lambda: (record for _, record in iter_jsonl(out / "trajectories.jsonl", Trajectory)),
-              (record for _, record in iter_jsonl(out / "training.jsonl", TrainingRow)))
+    audit.add_files(out / "trajectories.jsonl", out / "training.jsonl")
     gates = audit.gates()
     if signal:
         gates += audit.degeneracy_gates(arm.plan.gates.min_groups_with_variance,

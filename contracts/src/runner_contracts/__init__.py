@@ -12,6 +12,7 @@ from .io import (
     decode_record,
     encode,
     iter_jsonl,
+    line_ranges,
     read_jsonl,
     read_record,
     write_atomic,
@@ -98,7 +99,7 @@ __all__ = [
     "EnvironmentInfo", "EpisodeResult", "EpisodeSpec", "ErrorInfo", "EvalRecord", "EvaluationSpec", "Evidence", "GateResult", "GateSpec", "Hardware", "HarnessSample", "HarnessSpec",
     "JsonlWriter", "Plan", "PolicyCall", "PolicySpec", "Provenance", "Record", "RecordError", "ReleaseSpec", "RewardSpec", "RolloutLedger", "RolloutRequest", "RolloutResponse", "SamplingSpec",
     "Segment", "ServiceCase", "SplitSpec", "StageName", "StageRequest", "StageResult", "NativeAsset", "TaskPackage", "TaskSpec", "TeacherSample", "TinyFamily", "TinyRecipe", "ToolCallRecord", "ToolFormat", "TrainingRow",
-    "Trajectory", "Upstream", "canonical_json", "decode_line", "decode_record", "encode", "freeze_plan", "iter_jsonl",
+    "Trajectory", "Upstream", "canonical_json", "decode_line", "decode_record", "encode", "freeze_plan", "iter_jsonl", "line_ranges",
     "plan_id", "read_jsonl", "read_record", "sha256_bytes", "sha256_file", "sha256_path", "write_atomic",
     "write_record",
 ]

@@ -115,6 +115,24 @@ def decode_line(raw: bytes, record_type: type[R], decoder: msgspec.json.Decoder,
     return record
 
 
+def line_ranges(path: str | os.PathLike[str], parts: int) -> list[tuple[int, int]]:
+    """`parts` [start, end) byte ranges that cover the file in order, each of about the same size and each
+    ending at a newline (or the file's end); a range is empty when one line spans several."""
+    size = os.path.getsize(path)
+    bounds = [0]
+    with open(path, "rb") as handle:
+        for part in range(1, parts):
+            offset = size * part // parts
+            if offset <= bounds[-1]:
+                bounds.append(bounds[-1])
+                continue
+            handle.seek(offset - 1)  # a range that would start just after a newline starts there
+            handle.readline()
+            bounds.append(min(handle.tell(), size))
+    bounds.append(size)
+    return list(zip(bounds, bounds[1:]))
+
+
 def read_jsonl(path: str | os.PathLike[str], record_type: type[R], **kwargs: Any) -> list[R]:
     return [record for _, record in iter_jsonl(path, record_type, **kwargs)]
 

@@ -14,11 +14,11 @@ from .stages import (
     update_gates,
 )
 from .sft import sft_gates
-from .scratch import ScratchDatabase, SeenIds
+from .scratch import ScratchDatabase, SeenIds, map_in_order
 from .trace import TraceAudit
 
 __all__ = [
-    "HarnessRun", "ScratchDatabase", "SeenIds",
+    "HarnessRun", "ScratchDatabase", "SeenIds", "map_in_order",
     "TraceAudit", "harness_gates", "call_gates", "checkpoint_revisions", "distill_gates", "evaluate_gates", "latest_complete_checkpoint",
     "lock_gate", "pooled_evaluation", "resume_gates", "service_gates", "sft_gates", "update_gates",
 ]

@@ -60,6 +60,13 @@ class _Figures:
         self.outside += int(sequences.outside[pick].sum())
         self.sum_mult += float(sequences.sum_mult[pick].sum())
 
+    def merge(self, other: _Figures) -> None:
+        for name in ("tokens", "sequences", "sum_abs", "sum_neg_d", "sum_k3", "sum_chi2", "sum_chi2_sequence",
+                     "sum_r", "sum_r2", "outside", "sum_mult"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.max_abs, self.max_r = max(self.max_abs, other.max_abs), max(self.max_r, other.max_r)
+        self.min_r = min(self.min_r, other.min_r)
+
     def summary(self) -> dict[str, float | int | None]:
         n = self.tokens
         if not n:
@@ -145,6 +152,14 @@ class MismatchPanel:
         for step in np.unique(sequences.steps).tolist():
             self.steps[step].add(sequences, sequences.steps == step)
         self._waiting = _nothing_waiting()
+
+    def merge(self, other: MismatchPanel) -> None:
+        """Adds the pairs another panel holds (an audit done in parts), reduced first on both sides."""
+        self._reduce()
+        other._reduce()
+        self.overall.merge(other.overall)
+        for step, figures in other.steps.items():
+            self.steps[step].merge(figures)
 
     def max_abs_diff(self) -> float:
         """max |log p_train - log p_sample| over every pair added (0.0 when none)."""

@@ -1,11 +1,15 @@
-"""Scratch storage for audits that must not grow with their input: an SQLite file in a temporary folder, and
-a set of keys that moves into one when it gets large."""
+"""Scratch storage for audits that must not grow with their input: an SQLite file in a temporary folder, a
+set of keys that moves into one when it gets large, and worker results taken in order a few at a time."""
 
 from __future__ import annotations
 
+import collections
+import multiprocessing.pool
 import sqlite3
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 class ScratchDatabase:
@@ -53,3 +57,16 @@ class SeenIds:
                 self._keys |= batch
                 return []
         return [index for index, key in enumerate(keys) if not self.add(key)]
+
+
+def map_in_order(pool: multiprocessing.pool.Pool, function: Callable[[Any], Any], jobs: Iterable[Any],
+                 window: int) -> Iterator[Any]:
+    """function(job) for each job on the pool, yielded in order, at most `window` handed out and not yet
+    taken, so a parent slower than its workers does not pile up their results in memory."""
+    pending: collections.deque = collections.deque()
+    for job in jobs:
+        pending.append(pool.apply_async(function, (job,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()

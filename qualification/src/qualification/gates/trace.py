@@ -8,27 +8,50 @@ touches the disk:
 - an episode that leaves the window before a row trained it waits in an SQLite file in a temporary folder;
 - a row that names an episode trained earlier and already dropped is checked in a second read of the
   trajectories, with the episodes such rows name.
+
+Large files are audited in parts (add_files): part k is the k-th of equal byte ranges of each file, audited on
+a worker process as above; here the parts' figures are merged in order, episode ids are checked across parts,
+and the rows a part could not check (their episodes lie in another part) are checked against the episodes no
+part trained. The number of parts depends on the files' sizes alone, so the figures do too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
+import multiprocessing
+import os
 from array import array
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, compress, islice
+from pathlib import Path
 
 import msgspec
 
-from runner_contracts import GateResult, TrainingRow, Trajectory
+from runner_contracts import (
+    SUPPORTED_VERSION,
+    GateResult,
+    RecordError,
+    TrainingRow,
+    Trajectory,
+    decode_line,
+    iter_jsonl,
+    line_ranges,
+)
 
 from .mismatch import MismatchPanel
-from .scratch import ScratchDatabase, SeenIds
+from .scratch import ScratchDatabase, SeenIds, map_in_order
 
 MAX_EXAMPLES = 3
 POLICY, OTHER = b"\x01", b"\x00"
+_ENVIRONMENT_SOURCES = frozenset(("tool", "env"))
 WINDOW_TOKENS = 1 << 18  # tokens of the episodes kept in memory for the rows that name them (~10 MB at most)
+PARALLEL_FROM_BYTES = 8 << 20  # both files together; smaller ones are audited in one part, in this process
+PART_BYTES = 8 << 20  # of trajectories.jsonl per part
+MAX_WORKERS = 8
 
 
 class _Episode:
@@ -50,9 +73,10 @@ class _Spilled:
         self._scratch = ScratchDatabase("audit", """
             CREATE TABLE episodes (id TEXT PRIMARY KEY, tokens BLOB, is_policy BLOB, logprobs BLOB, trained INTEGER);
             CREATE TABLE deferred (row BLOB);
+            CREATE TABLE left (row BLOB);
             CREATE TABLE needed (id TEXT PRIMARY KEY) WITHOUT ROWID;""")
         self.db = self._scratch.db
-        self.episodes = self.deferred = 0
+        self.episodes = self.deferred = self.left = 0
 
     def put(self, episode_id: str, episode: _Episode) -> None:
         self.db.execute("INSERT OR IGNORE INTO episodes VALUES (?, ?, ?, ?, ?)",
@@ -85,6 +109,16 @@ class _Spilled:
         self.db.executemany("INSERT OR IGNORE INTO needed VALUES (?)", ((e,) for e in row.episode_ids))
         self.deferred += 1
 
+    def leave(self, rows: list[bytes]) -> None:
+        """Rows a part could not check, for the parent to check once every part's episodes are in."""
+        self.db.executemany("INSERT INTO left VALUES (?)", ((row,) for row in rows))
+        self.left += len(rows)
+
+    def left_rows(self) -> Iterator[TrainingRow]:
+        decoder = msgspec.json.Decoder(TrainingRow)
+        for (raw,) in self.db.execute("SELECT row FROM left ORDER BY rowid").fetchall():
+            yield decoder.decode(raw)
+
     def is_needed(self, episode_id: str) -> bool:
         return self.db.execute("SELECT 1 FROM needed WHERE id = ?", (episode_id,)).fetchone() is not None
 
@@ -95,28 +129,74 @@ class _Spilled:
 
 
 class _Groups:
-    """Every trajectory's group and reward (duplicates too), appended to an SQLite table BATCH at a time."""
+    """Every trajectory's group (duplicates too): how many trajectories it has, its first reward and whether
+    another differs. A dict, moved into an SQLite file in a temporary folder once it holds SPILL_AT groups."""
 
+    SPILL_AT = 200_000
     BATCH = 4096
 
     def __init__(self) -> None:
-        self._scratch = ScratchDatabase("groups", "CREATE TABLE members (group_id TEXT, reward REAL);")
-        self._waiting: list[tuple[str, float]] = []
+        self.groups: dict[str, list] = {}  # group id -> [trajectories, first reward, rewards differ]
+        self._scratch: ScratchDatabase | None = None
+        self._waiting: list[tuple[str, int, float, bool]] = []
 
     def add(self, group_id: str, reward: float) -> None:
-        self._waiting.append((group_id, reward))
+        if self._scratch is not None:
+            self._wait((group_id, 1, reward, False))
+            return
+        group = self.groups.get(group_id)
+        if group is None:
+            self.groups[group_id] = [1, reward, False]
+            if len(self.groups) >= self.SPILL_AT:
+                self._spill()
+        else:
+            group[0] += 1
+            if reward != group[1]:
+                group[2] = True
+
+    def merge(self, groups: dict[str, list]) -> None:
+        """Adds another part's groups."""
+        for group_id, (size, first, differ) in groups.items():
+            if self._scratch is not None:
+                self._wait((group_id, size, first, differ))
+                continue
+            group = self.groups.get(group_id)
+            if group is None:
+                self.groups[group_id] = [size, first, differ]
+                if len(self.groups) >= self.SPILL_AT:
+                    self._spill()
+            else:
+                group[0] += size
+                group[2] = group[2] or differ or first != group[1]
+
+    def _spill(self) -> None:
+        self._scratch = ScratchDatabase("groups", "CREATE TABLE groups (id TEXT PRIMARY KEY, size INTEGER, "
+                                                  "first REAL, differ INTEGER) WITHOUT ROWID;")
+        self._waiting = [(group_id, *group) for group_id, group in self.groups.items()]
+        self.groups = {}
+        self._flush()
+
+    def _wait(self, group: tuple[str, int, float, bool]) -> None:
+        self._waiting.append(group)
         if len(self._waiting) >= self.BATCH:
             self._flush()
 
     def _flush(self) -> None:
-        self._scratch.db.executemany("INSERT INTO members VALUES (?, ?)", self._waiting)
+        self._scratch.db.executemany(
+            "INSERT INTO groups VALUES (?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET size = size + excluded.size, "
+            "differ = differ OR excluded.differ OR first IS NOT excluded.first", self._waiting)
         self._waiting = []
 
-    def sizes(self) -> list[tuple[str, int, int]]:
-        """(group id, trajectories, distinct rewards) per group."""
+    def sizes(self) -> Iterator[tuple[str, int, bool]]:
+        """(group id, trajectories, whether their rewards differ) per group."""
+        if self._scratch is None:
+            for group_id in sorted(self.groups):
+                size, _, differ = self.groups[group_id]
+                yield group_id, size, differ
+            return
         self._flush()
-        return self._scratch.db.execute("SELECT group_id, COUNT(*), COUNT(DISTINCT reward) FROM members "
-                                        "GROUP BY group_id").fetchall()
+        for group_id, size, differ in self._scratch.db.execute("SELECT id, size, differ FROM groups ORDER BY id"):
+            yield group_id, size, bool(differ)
 
 
 @dataclass
@@ -141,6 +221,8 @@ class TraceAudit:
     _spilled: _Spilled | None = field(default=None, repr=False)
     _groups: _Groups = field(default_factory=_Groups, repr=False)
     _revisions: dict[tuple[int, str], list] = field(default_factory=dict, repr=False)  # -> [count, first ids]
+    _window_limit: float | None = field(default=None, repr=False)  # tokens; None: WINDOW_TOKENS
+    _left_rows: list[bytes] | None = field(default=None, repr=False)  # in a part: rows it cannot check
 
     def _problem(self, check: str, message: str) -> None:
         self.counts[f"problem:{check}"] += 1
@@ -162,6 +244,91 @@ class TraceAudit:
         if self._spilled is not None and self._spilled.deferred:
             self._second_read(trajectories)
 
+    def add_files(self, trajectories: Path, training: Path, *, workers: int | None = None) -> None:
+        """add() for the two files, on a fresh audit. Files of PARALLEL_FROM_BYTES or more are audited in
+        parts on up to `workers` processes (default: the CPUs this process may use, at most MAX_WORKERS); the
+        figures are the same whatever the number of processes."""
+        try:
+            size = trajectories.stat().st_size + training.stat().st_size
+        except OSError:
+            size = 0  # add() says which file is missing, or what is wrong before that
+        with _gc_paused():  # nothing here makes cycles, and the collector's passes over the window cost ~15%
+            if size < PARALLEL_FROM_BYTES:
+                self._add_whole(trajectories, training)
+            elif not self._add_parts(trajectories, training, workers):
+                vars(self).update(vars(TraceAudit(self.vocab_size, self.group_size, self.tolerance)))
+                self._add_whole(trajectories, training)  # raises the RecordError, naming its line
+
+    def _add_whole(self, trajectories: Path, training: Path) -> None:
+        self.add(lambda: (record for _, record in iter_jsonl(trajectories, Trajectory)),
+                 (record for _, record in iter_jsonl(training, TrainingRow)))
+
+    def _add_parts(self, trajectories: Path, training: Path, workers: int | None) -> bool:
+        """Audits the files in parts and merges them here; False, with a half-merged audit, when a part
+        cannot read a record."""
+        parts = max(2, -(-trajectories.stat().st_size // PART_BYTES))
+        jobs = [(trajectories, trajectory_range, training, training_range, self.vocab_size, self.group_size,
+                 self.tolerance) for trajectory_range, training_range in zip(line_ranges(trajectories, parts),
+                                                                             line_ranges(training, parts), strict=True)]
+        workers = min(workers or len(os.sched_getaffinity(0)), MAX_WORKERS, parts)
+        import numpy  # noqa: F401  (the mismatch panel's, imported once here rather than in every worker)
+
+        with contextlib.ExitStack() as stack:
+            if workers > 1:
+                pool = stack.enter_context(multiprocessing.get_context("fork").Pool(workers))
+                results = map_in_order(pool, _audit_part, jobs, window=2 * workers)
+            else:
+                results = map(_audit_part, jobs)
+            for result in results:
+                if result is None:
+                    return False
+                self._merge(result)
+        if self._spilled is not None:
+            for row in self._spilled.left_rows():
+                episodes = self._episodes_of(row, iter(()))
+                if episodes is not None:
+                    self._check_row(row, episodes)
+            if self._spilled.deferred:
+                self._second_read(lambda: (record for _, record in iter_jsonl(trajectories, Trajectory)))
+        return True
+
+    def _merge(self, part: _Part) -> None:
+        """Adds what a part found; its untrained episodes wait for the rows other parts could not check."""
+        self.counts.update(part.counts)
+        for check, examples in part.problems.items():
+            kept = self.problems[check]
+            kept += examples[:MAX_EXAMPLES - len(kept)]
+        for step, (total, count) in part.step_rewards.items():
+            mine = self.step_rewards.setdefault(step, [0.0, 0])
+            mine[0] += total
+            mine[1] += count
+        for key, (count, first) in part.revisions.items():
+            mine = self._revisions.setdefault(key, [0, []])
+            mine[0] += count
+            mine[1] += first[:MAX_EXAMPLES - len(mine[1])]
+        self.max_logprob_gap = max(self.max_logprob_gap, part.max_logprob_gap)
+        self.mismatch.merge(part.mismatch)
+        self.advantages_nonzero += part.advantages_nonzero
+        self.rows += part.rows
+        self.trained += part.trained
+        self._groups.merge(part.groups)
+        repeats = [part.episode_ids[index] for index in self._seen.add_many(part.episode_ids)]
+        repeated = set(repeats)
+        untrained = {episode_id for episode_id, *_ in part.untrained} if repeats else set()
+        for episode_id in repeats:
+            self._problem("unique-episodes", f"episode {episode_id} appears twice")
+            if episode_id not in untrained:  # the part trained its copy: as a whole audit trains the first
+                first = self._window.get(episode_id) or (self._spilled.get(episode_id) if self._spilled else None)
+                if first is not None and not first.trained:
+                    first.trained = True
+                    if first.stored:
+                        self._spilled.mark_trained(episode_id)
+        for episode_id, tokens, provenance, logprobs in part.untrained:
+            if episode_id not in repeated:  # rows are checked against the first copy
+                self._hold(episode_id, _Episode(tokens, provenance, logprobs))
+        if part.left_rows:
+            self._spill().leave(part.left_rows)
+
     def _episodes_of(self, row: TrainingRow, unread: Iterator[Trajectory]) -> list[_Episode | None] | None:
         """The episodes `row` names, reading trajectories until each is met (None for one never met); None
         when the row waits for the second read."""
@@ -171,12 +338,22 @@ class TraceAudit:
             if episode is None and episode_id in self._seen:
                 episode = self._spilled.get(episode_id) if self._spilled is not None else None
                 if episode is None:  # trained by an earlier row and dropped since
-                    self._spill().defer(row)
+                    self._defer(row)
                     return None
             elif episode is None:
                 episode = self._read_until(episode_id, unread)
+                if episode is None and self._left_rows is not None:
+                    self._defer(row)  # in another part, or nowhere: the parent knows
+                    return None
             episodes.append(episode)
         return episodes
+
+    def _defer(self, row: TrainingRow) -> None:
+        """Puts off a row to the second read, or in a part to the parent."""
+        if self._left_rows is not None:
+            self._left_rows.append(msgspec.json.encode(row))
+        else:
+            self._spill().defer(row)
 
     def _trained(self, row: TrainingRow, episodes: list[_Episode]) -> None:
         for episode_id, episode in zip(row.episode_ids, episodes, strict=True):
@@ -202,19 +379,24 @@ class TraceAudit:
         """Checks and counts one trajectory; its episode joins the window (the oldest leaves it)."""
         episode = self._episode(t)
         self._groups.add(t.group_id, t.reward)
-        if not self._seen.add(t.episode_id):
-            self._problem("unique-episodes", f"episode {t.episode_id} appears twice")
-            return
         revision = self._revisions.get((t.step, t.policy_revision))
         if revision is None:
             revision = self._revisions[(t.step, t.policy_revision)] = [0, []]
         revision[0] += 1
         if len(revision[1]) < MAX_EXAMPLES:
             revision[1].append(t.episode_id)
-        self._window[t.episode_id] = episode
-        self._window_order.append(t.episode_id)
+        if not self._seen.add(t.episode_id):
+            self._problem("unique-episodes", f"episode {t.episode_id} appears twice")
+            return  # rows are checked against the first copy
+        self._hold(t.episode_id, episode)
+
+    def _hold(self, episode_id: str, episode: _Episode) -> None:
+        """The episode joins the window; the oldest leave it, to the SQLite file if no row trained them."""
+        self._window[episode_id] = episode
+        self._window_order.append(episode_id)
         self._window_tokens += len(episode.tokens)
-        while self._window_tokens > WINDOW_TOKENS and len(self._window) > 1:
+        limit = WINDOW_TOKENS if self._window_limit is None else self._window_limit
+        while self._window_tokens > limit and len(self._window) > 1:
             oldest = self._window_order.popleft()
             left = self._window.pop(oldest)
             self._window_tokens -= len(left.tokens)
@@ -223,40 +405,48 @@ class TraceAudit:
 
     def _episode(self, t: Trajectory, *, first_read: bool = True) -> _Episode:
         """Checks one trajectory and counts it (both only on the first read)."""
-        problem = self._problem if first_read else _ignore
         tokens: list[int] = []
         policy_logprobs: list[float] = []
         is_policy = bytearray()
         tool_segments = policy_tokens = 0
+        vocab_size = self.vocab_size
         for index, segment in enumerate(t.segments):
-            ids = segment.token_ids
-            if ids and max(ids) >= self.vocab_size:
-                bad = [i for i in ids if i >= self.vocab_size]
-                problem("lengths-vocab", f"{t.episode_id} segment {index}: ids {bad[:3]} >= vocab {self.vocab_size}")
-            policy = segment.source == "policy"
-            if policy:
-                if segment.logprobs is None or len(segment.logprobs) != len(ids):
-                    got = None if segment.logprobs is None else len(segment.logprobs)
-                    problem("lengths-vocab", f"{t.episode_id} segment {index}: {len(ids)} tokens but {got} logprobs")
+            ids, logprobs = segment.token_ids, segment.logprobs
+            if ids and max(ids) >= vocab_size:
+                bad = [i for i in ids if i >= vocab_size]
+                self._episode_problem(t, first_read, f"segment {index}: ids {bad[:3]} >= vocab {vocab_size}")
+            if segment.source == "policy":
+                if logprobs is not None and len(logprobs) == len(ids):
+                    policy_logprobs += logprobs
                 else:
-                    policy_logprobs += segment.logprobs
+                    self._episode_problem(t, first_read, f"segment {index}: {len(ids)} tokens but "
+                                                         f"{None if logprobs is None else len(logprobs)} logprobs")
                 policy_tokens += len(ids)
-            elif segment.logprobs is not None:
-                problem("lengths-vocab", f"{t.episode_id} segment {index}: {segment.source} segment "
-                                         "carries logprobs")
-            tool_segments += segment.source in ("tool", "env")
+                is_policy += POLICY * len(ids)
+            else:
+                if logprobs is not None:
+                    self._episode_problem(t, first_read, f"segment {index}: {segment.source} segment carries logprobs")
+                tool_segments += segment.source in _ENVIRONMENT_SOURCES
+                is_policy += OTHER * len(ids)
             tokens += ids
-            is_policy += (POLICY if policy else OTHER) * len(ids)
-        if not policy_tokens:
-            problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
+        if first_read and not policy_tokens:
+            self._problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
         if first_read:
-            self.counts["episodes"] += 1
-            self.counts["policy_tokens"] += policy_tokens
-            self.counts["episodes_with_tool_calls"] += tool_segments > 0
-            step = self.step_rewards.setdefault(t.step, [0.0, 0])
+            counts = self.counts
+            counts["episodes"] += 1
+            counts["policy_tokens"] += policy_tokens
+            counts["episodes_with_tool_calls"] += tool_segments > 0
+            step = self.step_rewards.get(t.step)
+            if step is None:
+                step = self.step_rewards[t.step] = [0.0, 0]
             step[0] += t.reward
             step[1] += 1
         return _Episode(tokens, bytes(is_policy), policy_logprobs)
+
+    def _episode_problem(self, t: Trajectory, first_read: bool, message: str) -> None:
+        """A trajectory's problem, reported on its first read only."""
+        if first_read:
+            self._problem("lengths-vocab", f"{t.episode_id} {message}")
 
     def _second_read(self, trajectories: Callable[[], Iterable[Trajectory]]) -> None:
         """Checks the rows put off, against the episodes they name that are neither in the window nor on disk
@@ -274,16 +464,14 @@ class TraceAudit:
 
     def _check_row(self, row: TrainingRow, episodes: list[_Episode | None]) -> None:
         self.rows += 1
-        if abs(row.advantage) > 0:
+        if row.advantage > 0 or row.advantage < 0:
             self.advantages_nonzero += 1
-        lengths = {len(row.input_ids), len(row.loss_mask)}
-        if row.old_logprobs is not None:
-            lengths.add(len(row.old_logprobs))
-        if len(lengths) != 1:
+        length = len(row.input_ids)
+        if len(row.loss_mask) != length or (row.old_logprobs is not None and len(row.old_logprobs) != length):
             self._problem("lengths-vocab", f"row {row.row_id}: input_ids/loss_mask/old_logprobs lengths differ")
             return
-        missing = [e for e, found in zip(row.episode_ids, episodes, strict=True) if found is None]
-        if missing:
+        if None in episodes:
+            missing = [e for e, found in zip(row.episode_ids, episodes, strict=True) if found is None]
             self._problem("every-episode-trained", f"row {row.row_id} names unknown episode(s) {missing[:3]}")
             return
         self._trained(row, episodes)
@@ -375,8 +563,8 @@ class TraceAudit:
 
     def groups_with_variance(self) -> tuple[int, int]:
         """(groups, groups whose rewards are not all equal)."""
-        distinct = [rewards for _, _, rewards in self._groups.sizes()]
-        return len(distinct), sum(1 for rewards in distinct if rewards > 1)
+        differ = [differ for _, _, differ in self._groups.sizes()]
+        return len(differ), sum(differ)
 
     def degeneracy_gates(self, min_groups_with_variance: float, expects_tools: bool = True) -> list[GateResult]:
         """Rewards, advantages and tool use (for a family that has tools) must carry signal, or an update
@@ -412,8 +600,88 @@ class TraceAudit:
                           "each step sampled by the previous checkpoint's weights")
 
 
-def _ignore(check: str, message: str) -> None:
-    """Where a trajectory read a second time reports its problems: it did on the first read."""
+@dataclass
+class _Part:
+    """What the audit of one part found, for the parent to merge (pickled from a worker process)."""
+
+    counts: Counter
+    problems: dict[str, list[str]]
+    step_rewards: dict[int, list[float]]
+    revisions: dict[tuple[int, str], list]
+    max_logprob_gap: float
+    mismatch: MismatchPanel
+    advantages_nonzero: int
+    rows: int
+    trained: int
+    groups: dict[str, list]  # as _Groups.groups
+    episode_ids: list[str]  # in file order, each once (a repeat within the part is already a problem)
+    untrained: list[tuple[str, list[int], bytes, list[float]]]  # episodes no row of the part trained
+    left_rows: list[bytes]  # rows naming an episode outside the part (or nowhere), encoded
+
+
+class _IdsInOrder(dict):
+    """A part's episode ids in the order met, each once: the parent checks them across parts."""
+
+    def add(self, key: str) -> bool:
+        if key in self:
+            return False
+        self[key] = None
+        return True
+
+
+def _audit_part(job: tuple) -> _Part | None:
+    """Audits one part: the trajectories and rows of its two byte ranges (a worker's job). None when a record
+    cannot be read: the parent then audits the files whole, which names the line."""
+    trajectories, (start, end), training, training_range, vocab_size, group_size, tolerance = job
+    # a part keeps all its episodes (PART_BYTES bounds them): a row naming one from another part reads its
+    # range to the end, and finds the rest of its rows' episodes in memory
+    audit = TraceAudit(vocab_size, group_size, tolerance, _seen=_IdsInOrder(), _window_limit=math.inf,
+                       _left_rows=[])
+    try:
+        audit.add(lambda: _records(trajectories, Trajectory, start, end),
+                  _records(training, TrainingRow, *training_range))
+    except RecordError:
+        return None
+    audit.mismatch.max_abs_diff()  # reduces the pairs still waiting
+    return _Part(counts=audit.counts, problems=dict(audit.problems), step_rewards=audit.step_rewards,
+                 revisions=audit._revisions, max_logprob_gap=audit.max_logprob_gap, mismatch=audit.mismatch,
+                 advantages_nonzero=audit.advantages_nonzero, rows=audit.rows, trained=audit.trained,
+                 groups=audit._groups.groups, episode_ids=list(audit._seen), left_rows=audit._left_rows,
+                 untrained=[(episode_id, e.tokens, e.provenance, e.logprobs)
+                            for episode_id, e in audit._window.items() if not e.trained])
+
+
+def _records(path: Path, record_type: type, start: int, end: int) -> Iterator:
+    """The records of the lines in [start, end); a bad one raises RecordError (its line is not known here)."""
+    decoder = msgspec.json.Decoder(record_type)
+    decode = decoder.decode
+    with open(path, "rb", buffering=1 << 20) as handle:
+        handle.seek(start)
+        left = end - start
+        for raw in handle:
+            if left <= 0:
+                return
+            left -= len(raw)
+            try:
+                record = decode(raw)  # the common case; decode_line below names what is wrong
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                record = None
+            if record is None or record.version > SUPPORTED_VERSION or not raw.endswith(b"\n"):
+                if not raw.endswith(b"\n"):
+                    raise RecordError(path, None, "(line)", "truncated line: no newline at end of file")
+                record = decode_line(raw, record_type, decoder, path, None)
+            yield record
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
