@@ -162,7 +162,7 @@ def main() -> None:
                speed["validate"], goal=">= 0.5"),
         figure(f"audit peak memory at {args.episodes} episodes", results["audit"]["peak_rss_mb"], "MB",
                f"audit at {args.episodes // 4} episodes", audit_quarter["peak_rss_mb"], goal="<= 1.1",
-               note="flat in file size: rows are checked against a window of recent episodes"),
+               note="flat in file size: parts of the files on worker processes, each holding its own part"),
     ])
 
 
