@@ -23,6 +23,7 @@ when the store is still up.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
@@ -103,8 +104,9 @@ class Gateway(ServerProcess):
         except urllib.error.HTTPError as error:
             raise StoreError(f"agl-server {method} {path}: {error.code} "
                              f"{error.read().decode(errors='replace')[:300]}") from None
-        except OSError as error:
-            raise EnvironmentDown(f"agl-server {self.url} unreachable ({method} {path}): {error}") from None
+        except (OSError, http.client.HTTPException) as error:  # refused, reset, or an answer cut short
+            raise EnvironmentDown(f"agl-server {self.url} unreachable ({method} {path}): "
+                                  f"{type(error).__name__}: {error}") from None
         return json.loads(raw) if raw else None
 
 
@@ -212,7 +214,10 @@ class LightningBackend(RolloutBackend):
     def _lost(self, gateway: Gateway, generation: int) -> bool:
         """Whether the agl-server an episode started on died or was replaced (its store is gone)."""
         with self._lock:
-            return self._down or gateway.starts != generation or not gateway.alive()
+            if self._down or gateway.starts != generation or not gateway.alive():
+                return True
+        # A server SIGKILLed a moment ago has closed its sockets but may not be reaped yet: ask it.
+        return not gateway.healthy()
 
     # --- one episode -------------------------------------------------------------------------------------
 
