@@ -260,8 +260,7 @@ class TraceAudit:
                 self._add_whole(trajectories, training)  # raises the RecordError, naming its line
 
     def _add_whole(self, trajectories: Path, training: Path) -> None:
-        self.add(lambda: (record for _, record in iter_jsonl(trajectories, Trajectory)),
-                 (record for _, record in iter_jsonl(training, TrainingRow)))
+        self.add(lambda: _whole_file(trajectories, Trajectory), _whole_file(training, TrainingRow))
 
     def _add_parts(self, trajectories: Path, training: Path, workers: int | None) -> bool:
         """Audits the files in parts and merges them here; False, with a half-merged audit, when a part
@@ -289,7 +288,7 @@ class TraceAudit:
                 if episodes is not None:
                     self._check_row(row, episodes)
             if self._spilled.deferred:
-                self._second_read(lambda: (record for _, record in iter_jsonl(trajectories, Trajectory)))
+                self._second_read(lambda: _whole_file(trajectories, Trajectory))
         return True
 
     def _merge(self, part: _Part) -> None:
@@ -649,6 +648,10 @@ def _audit_part(job: tuple) -> _Part | None:
                  groups=audit._groups.groups, episode_ids=list(audit._seen), left_rows=audit._left_rows,
                  untrained=[(episode_id, e.tokens, e.provenance, e.logprobs)
                             for episode_id, e in audit._window.items() if not e.trained])
+
+
+def _whole_file(path: Path, record_type: type) -> Iterator:
+    return (record for _, record in iter_jsonl(path, record_type))
 
 
 def _records(path: Path, record_type: type, start: int, end: int) -> Iterator:
