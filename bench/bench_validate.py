@@ -73,7 +73,7 @@ def generate_large(path: Path, gigabytes: float) -> int:
 def measure(mode: str, trajectories: Path, training: Path) -> dict:
     import msgspec
     import orjson
-    from qualification.gates import TraceAudit, trace
+    from qualification.gates import TraceAudit
     from runner_contracts import Trajectory
 
     from runner import _validate
@@ -108,13 +108,10 @@ def measure(mode: str, trajectories: Path, training: Path) -> dict:
     seconds = time.perf_counter() - started
     # validate's and the audit's worker processes count too: each at most as large as the largest of them (an
     # upper bound, as pages a worker shares with its parent are counted twice)
-    size, both = trajectories.stat().st_size, trajectories.stat().st_size + training.stat().st_size
-    if mode == "validate" and size >= _validate.PARALLEL_FROM_BYTES:
+    if mode == "validate" and trajectories.stat().st_size >= _validate.PARALLEL_FROM_BYTES:
         workers = _validate._workers()
-    elif mode == "audit" and both >= trace.PARALLEL_FROM_BYTES:
-        workers = min(len(os.sched_getaffinity(0)), trace.MAX_WORKERS, max(2, -(-size // trace.PART_BYTES)))
     else:
-        workers = 0
+        workers = audit.processes if mode == "audit" else 0
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 if workers else 0.0
     return {"mode": mode, "seconds": seconds, "records": records, "workers": workers,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 + workers * children}

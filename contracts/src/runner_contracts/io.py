@@ -3,6 +3,7 @@ fsync + rename, so a reader never sees a half-written file under its final name.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterator
@@ -83,14 +84,21 @@ def _raise_with_version_hint(data: bytes, record_type: type[Record], path, line)
         raise RecordError(path, line, "contract", f"expected {expected!r} record, got {header.contract!r}")
 
 
-def iter_jsonl(path: str | os.PathLike[str], record_type: type[R], *,
-               allow_truncated_tail: bool = False, start_line: int = 1) -> Iterator[tuple[int, R]]:
+def iter_jsonl(path: str | os.PathLike[str], record_type: type[R], *, allow_truncated_tail: bool = False,
+               start_line: int = 1, byte_range: tuple[int, int] | None = None) -> Iterator[tuple[int, R]]:
     """Yields (line number, record) from `start_line` on. A partial file's unterminated last line is
-    skipped if allowed."""
+    skipped if allowed. With `byte_range` (one of line_ranges), only the lines in [start, end), numbered
+    from the range's first line."""
     decoder = msgspec.json.Decoder(record_type)
-    with open(path, "rb") as handle:
+    start, end = byte_range or (0, None)
+    with open(path, "rb", buffering=1 << 20) as handle:
+        handle.seek(start)
+        left = math.inf if end is None else end - start
         line_no = 0
         for raw in handle:
+            if left <= 0:
+                return
+            left -= len(raw)
             line_no += 1
             if line_no < start_line:
                 continue

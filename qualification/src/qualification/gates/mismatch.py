@@ -12,11 +12,12 @@ perplexity ratio exp(mean(-log p_train)) / exp(mean(-log p_sample)) = exp(k1).""
 from __future__ import annotations
 
 import math
+import operator
 import statistics
 from array import array
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from runner_contracts import GateResult
 
@@ -61,11 +62,9 @@ class _Figures:
         self.sum_mult += float(sequences.sum_mult[pick].sum())
 
     def merge(self, other: _Figures) -> None:
-        for name in ("tokens", "sequences", "sum_abs", "sum_neg_d", "sum_k3", "sum_chi2", "sum_chi2_sequence",
-                     "sum_r", "sum_r2", "outside", "sum_mult"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.max_abs, self.max_r = max(self.max_abs, other.max_abs), max(self.max_r, other.max_r)
-        self.min_r = min(self.min_r, other.min_r)
+        for name in (f.name for f in fields(self)):
+            combine = min if name.startswith("min_") else max if name.startswith("max_") else operator.add
+            setattr(self, name, combine(getattr(self, name), getattr(other, name)))
 
     def summary(self) -> dict[str, float | int | None]:
         n = self.tokens

@@ -31,16 +31,7 @@ from pathlib import Path
 
 import msgspec
 
-from runner_contracts import (
-    SUPPORTED_VERSION,
-    GateResult,
-    RecordError,
-    TrainingRow,
-    Trajectory,
-    decode_line,
-    iter_jsonl,
-    line_ranges,
-)
+from runner_contracts import GateResult, RecordError, TrainingRow, Trajectory, iter_jsonl, line_ranges
 
 from .mismatch import MismatchPanel
 from .scratch import ScratchDatabase, SeenIds, map_in_order
@@ -214,6 +205,7 @@ class TraceAudit:
     advantages_nonzero: int = 0
     rows: int = 0
     trained: int = 0  # distinct episodes a row trained
+    processes: int = 0  # worker processes add_files audited on (0: this one alone)
     _window: dict[str, _Episode] = field(default_factory=dict, repr=False)
     _window_order: deque[str] = field(default_factory=deque, repr=False)
     _window_tokens: int = field(default=0, repr=False)
@@ -260,7 +252,7 @@ class TraceAudit:
                 self._add_whole(trajectories, training)  # raises the RecordError, naming its line
 
     def _add_whole(self, trajectories: Path, training: Path) -> None:
-        self.add(lambda: _whole_file(trajectories, Trajectory), _whole_file(training, TrainingRow))
+        self.add(lambda: _records(trajectories, Trajectory), _records(training, TrainingRow))
 
     def _add_parts(self, trajectories: Path, training: Path, workers: int | None) -> bool:
         """Audits the files in parts and merges them here; False, with a half-merged audit, when a part
@@ -275,6 +267,7 @@ class TraceAudit:
         with contextlib.ExitStack() as stack:
             if workers > 1:
                 pool = stack.enter_context(multiprocessing.get_context("fork").Pool(workers))
+                self.processes = workers
                 results = map_in_order(pool, _audit_part, jobs, window=2 * workers)
             else:
                 results = map(_audit_part, jobs)
@@ -288,7 +281,7 @@ class TraceAudit:
                 if episodes is not None:
                     self._check_row(row, episodes)
             if self._spilled.deferred:
-                self._second_read(lambda: _whole_file(trajectories, Trajectory))
+                self._second_read(lambda: _records(trajectories, Trajectory))
         return True
 
     def _merge(self, part: _Part) -> None:
@@ -631,14 +624,14 @@ class _IdsInOrder(dict):
 def _audit_part(job: tuple) -> _Part | None:
     """Audits one part: the trajectories and rows of its two byte ranges (a worker's job). None when a record
     cannot be read: the parent then audits the files whole, which names the line."""
-    trajectories, (start, end), training, training_range, vocab_size, group_size, tolerance = job
+    trajectories, trajectory_range, training, training_range, vocab_size, group_size, tolerance = job
     # a part keeps all its episodes (PART_BYTES bounds them): a row naming one from another part reads its
     # range to the end, and finds the rest of its rows' episodes in memory
     audit = TraceAudit(vocab_size, group_size, tolerance, _seen=_IdsInOrder(), _window_limit=math.inf,
                        _left_rows=[])
     try:
-        audit.add(lambda: _records(trajectories, Trajectory, start, end),
-                  _records(training, TrainingRow, *training_range))
+        audit.add(lambda: _records(trajectories, Trajectory, trajectory_range),
+                  _records(training, TrainingRow, training_range))
     except RecordError:
         return None
     audit.mismatch.max_abs_diff()  # reduces the pairs still waiting
@@ -650,30 +643,9 @@ def _audit_part(job: tuple) -> _Part | None:
                             for episode_id, e in audit._window.items() if not e.trained])
 
 
-def _whole_file(path: Path, record_type: type) -> Iterator:
-    return (record for _, record in iter_jsonl(path, record_type))
-
-
-def _records(path: Path, record_type: type, start: int, end: int) -> Iterator:
-    """The records of the lines in [start, end); a bad one raises RecordError (its line is not known here)."""
-    decoder = msgspec.json.Decoder(record_type)
-    decode = decoder.decode
-    with open(path, "rb", buffering=1 << 20) as handle:
-        handle.seek(start)
-        left = end - start
-        for raw in handle:
-            if left <= 0:
-                return
-            left -= len(raw)
-            try:
-                record = decode(raw)  # the common case; decode_line below names what is wrong
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                record = None
-            if record is None or record.version > SUPPORTED_VERSION or not raw.endswith(b"\n"):
-                if not raw.endswith(b"\n"):
-                    raise RecordError(path, None, "(line)", "truncated line: no newline at end of file")
-                record = decode_line(raw, record_type, decoder, path, None)
-            yield record
+def _records(path: Path, record_type: type, byte_range: tuple[int, int] | None = None) -> Iterator:
+    """The file's records (those of the lines in `byte_range`); a bad one raises RecordError."""
+    return (record for _, record in iter_jsonl(path, record_type, byte_range=byte_range))
 
 
 @contextlib.contextmanager
