@@ -44,6 +44,19 @@ def test_logprob_gap_over_tolerance_fails(episodes):
     assert abs(a.max_logprob_gap - 0.01) < 1e-9
 
 
+def test_a_logprob_that_is_not_finite_fails_agreement_and_is_left_out_of_the_mismatch_panel(episodes):
+    """JSON cannot carry one (msgspec refuses 1e999), but records built in memory can."""
+    trajectories, rows = episodes
+    old = list(rows[2].old_logprobs)
+    old[3] = float("-inf")
+    rows[2] = msgspec.structs.replace(rows[2], old_logprobs=old)
+    gates, a = audit(trajectories, rows)
+    assert not gates["trace:logprob-agreement"].passed and gates["trace:logprob-agreement"].measured == float("inf")
+    summary = a.mismatch.summary()
+    assert summary["sequences_not_finite"] == 1 and summary["overall"]["sequences"] == len(rows) - 1
+    assert gates["trace:mask-provenance"].passed
+
+
 def test_incomplete_group_and_untrained_episode_fail(episodes):
     trajectories, rows = episodes
     gates, _ = audit(trajectories[:3], rows[:3])

@@ -55,11 +55,21 @@ def test_per_step_figures_and_the_median_over_steps():
     assert summary["overall"]["perplexity_ratio"] == pytest.approx(math.exp(summary["overall"]["kl_k1"]))
 
 
-def test_no_pairs_fail_the_gate_and_non_finite_logprobs_are_refused():
+def test_no_pairs_fail_the_gate_and_non_finite_logprobs_are_left_out_and_counted():
     panel = MismatchPanel()
     assert not panel.gate().passed and panel.gate().detail == "no trainer logprobs to compare"
-    with pytest.raises(ValueError, match="step 4: a logprob is not finite"):
-        panel.add(4, [float("-inf")], [-1.0])
+    assert panel.max_abs_diff() == 0.0
+    panel.add(4, [float("-inf"), -1.0], [-1.0, -1.0])  # the whole sequence is left out
+    assert panel.max_abs_diff() == math.inf and panel.summary()["sequences_not_finite"] == 1
+    assert panel.summary()["overall"]["tokens"] == 0
+    panel.add(4, [-1.0 + LN2], [-1.0])
+    panel.add(5, [-1.0], [float("nan")])
+    summary = panel.summary()
+    assert summary["sequences_not_finite"] == 2 and panel.max_abs_diff() == math.inf
+    assert summary["overall"]["tokens"] == 1 and summary["overall"]["max_abs_logprob_diff"] == pytest.approx(LN2)
+    assert list(summary["per_step"]) == [4]
+    with pytest.raises(ValueError, match="2 trainer logprobs but 1 sampler logprobs"):
+        panel.add(4, [-1.0, -1.0], [-1.0])
 
 
 def test_pairs_reduced_in_several_flushes_give_the_figures_of_one(monkeypatch):

@@ -90,23 +90,29 @@ def iter_jsonl(path: str | os.PathLike[str], record_type: type[R], *, allow_trun
     skipped if allowed. With `byte_range` (one of line_ranges), only the lines in [start, end), numbered
     from the range's first line."""
     decoder = msgspec.json.Decoder(record_type)
+    decode = decoder.decode
+    versioned = "version" in getattr(record_type, "__struct_fields__", ())
     start, end = byte_range or (0, None)
     with open(path, "rb", buffering=1 << 20) as handle:
         handle.seek(start)
         left = math.inf if end is None else end - start
-        line_no = 0
-        for raw in handle:
+        for line_no, raw in enumerate(handle, 1):
             if left <= 0:
                 return
             left -= len(raw)
-            line_no += 1
             if line_no < start_line:
                 continue
-            if not raw.endswith(b"\n"):
+            if raw[-1] != 10:  # b"\n"
                 if allow_truncated_tail:
                     return
                 raise RecordError(path, line_no, "(line)", "truncated line: no newline at end of file")
-            yield line_no, decode_line(raw, record_type, decoder, path, line_no)
+            try:  # the common case inline; decode_line names what is wrong
+                record = decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                record = None
+            if record is None or (versioned and record.version > SUPPORTED_VERSION):
+                record = decode_line(raw, record_type, decoder, path, line_no)
+            yield line_no, record
 
 
 def decode_line(raw: bytes, record_type: type[R], decoder: msgspec.json.Decoder, path: str | os.PathLike[str],
