@@ -28,10 +28,10 @@ def trl_and_policy():
     return engine.prepare(get_stack("trl")), build_tiny(engine, dict(plan.policy.tiny or {}), plan)
 
 
-def sample_both_ways(trl_and_policy, attention: str, episodes: int) -> dict:
+def sample_both_ways(trl_and_policy, attention: str, episodes: int, *options: str) -> dict:
     trl, policy_dir = trl_and_policy
     run = subprocess.run([str(trl.python), "-m", "runner_kit.batching_check", str(policy_dir), "--attention",
-                          attention, "--episodes", str(episodes)],
+                          attention, "--episodes", str(episodes), *options],
                          capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -50,6 +50,16 @@ def test_concurrent_episodes_sampled_batched_equal_one_at_a_time_bit_for_bit(trl
     # Episodes asking the same question started from one prefill of it, and sampled what they sample alone.
     assert batched["prefills_shared"] > 0 and found["alone"]["prefills_shared"] == 0, batched
     assert batched["rows_decoded"] + batched["calls"] >= found["tokens"]
+
+
+def test_linears_multiplied_one_row_at_a_time_in_batched_steps_are_exact_too(trl_and_policy):
+    """The fallback for a weight shape whose batched matmul rounds otherwise on this machine's BLAS (MKL's
+    batched kernel on AVX-512 does, for the tiny policy's 642 x 128 lm_head), forced for every linear."""
+    found = sample_both_ways(trl_and_policy, "sdpa", 8, "--row-by-row")
+    assert found["same_calls"] and found["differing"] == [], found["differing"]
+    batched = found["batched"]
+    assert batched["mode"] == "batched" and batched["max_rows"] >= 4, batched
+    assert "lm_head" in batched["linears_row_by_row"] and len(batched["linears_row_by_row"]) == 2 * 7 + 1, batched
 
 
 def test_a_model_the_server_cannot_batch_exactly_is_sampled_one_call_at_a_time_and_says_why(trl_and_policy):

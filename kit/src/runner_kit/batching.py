@@ -8,9 +8,12 @@ batch. Two things make the shared forward pass exact:
 - every nn.Linear multiplies each row on its own: a BLAS gemm's rounding depends on how many rows it
   multiplies (on CPU one row takes the gemv path, two or three rows one kernel, four or more another), and
   a row alone is what one-at-a-time sampling multiplies. One batched matmul of one-row matrices against the
-  weight (`torch.baddbmm` over a stride-0 view, no copy) does that for every row in one call: on CPU it
-  equals F.linear row by row bit for bit (measured for square, wide and tall weights up to 4864 x 896, with
-  and without bias, 2 to 64 rows), at a fraction of the cost of a Python loop over the rows;
+  weight (`torch.baddbmm` over a stride-0 view, no copy) does that for every row in one call, at a fraction
+  of the cost of a Python loop over the rows, where it equals F.linear row by row bit for bit. That depends
+  on the BLAS and the CPU (on one AVX2 machine every weight up to 4864 x 896 did; on an AVX-512 one MKL's
+  batched kernel rounds a 642 x 128 lm_head otherwise), so each weight shape is checked on this machine at
+  start, for 2 to 8, 16, 32 and 64 rows, and a shape that fails is multiplied one row at a time (F.linear
+  per row: the very call one-at-a-time sampling makes);
 - attention runs per row over that row's own keys (the batched cache is left-padded, and the padding never
   enters a reduction).
 
@@ -163,14 +166,31 @@ class _Rowwise:
     _registered = False
 
     def __init__(self, model) -> None:
-        import torch
-
         self.model = model
-        # Each linear's row-wise forward, made once: a decode step only swaps them in and out.
-        self.forwards = [(m, _rowwise_linear(m)) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        self.forwards: list = []  # (linear, its row-wise forward), made once by choose_linears()
+        self.looped: list[str] = []  # linears multiplied one row at a time: this BLAS's bmm rounds them otherwise
         self.thread: int | None = None
         self.lengths: list[int] = []
         self.attention_calls = 0
+
+    def choose_linears(self, max_rows: int) -> None:
+        """Each linear's row-wise forward: one bmm over the rows where, for its weight's shape, that equals
+        F.linear row by row on this machine (random inputs, 2 to max_rows rows); else a loop over the rows."""
+        import torch
+
+        exact: dict[tuple, bool] = {}
+        generator = torch.Generator().manual_seed(0)  # not the global stream: the trainer's
+        counts = [rows for rows in (*range(2, 9), 16, 32, 64) if rows <= max_rows]
+        self.forwards, self.looped = [], []
+        for name, module in self.model.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            shape = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype, module.weight.device)
+            if shape not in exact:
+                exact[shape] = all(_bmm_equals_rows(module, rows, generator) for rows in counts)
+            self.forwards.append((module, _rowwise_linear(module, batched=exact[shape])))
+            if not exact[shape]:
+                self.looped.append(name)
 
     def register(self) -> None:
         from transformers import AttentionInterface
@@ -208,7 +228,7 @@ def _active_here() -> _Rowwise | None:
     return next((rows for rows in _ACTIVE if rows.thread == me), None)
 
 
-def _rowwise_linear(module):
+def _rowwise_linear(module, *, batched: bool):
     import torch
     import torch.nn.functional as F
 
@@ -216,15 +236,35 @@ def _rowwise_linear(module):
         rows = x.shape[0]
         if _active_here() is None or rows == 1:  # another thread (the trainer), or nothing to split
             return F.linear(x, module.weight, module.bias)
-        flat = x.reshape(rows, 1, x.shape[-1])  # a decode step: one token per row
-        weight = module.weight.t().unsqueeze(0).expand(rows, -1, -1)
-        if module.bias is None:
-            out = torch.bmm(flat, weight)
-        else:
-            out = torch.baddbmm(module.bias.view(1, 1, -1).expand(rows, 1, -1), flat, weight)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        if batched:
+            return _bmm_rows(x, module)
+        return torch.cat([F.linear(x[row:row + 1], module.weight, module.bias) for row in range(rows)])
 
     return forward
+
+
+def _bmm_rows(x, module):
+    """module(x) for a decode step's x (one token per row), each row multiplied as a one-row matrix."""
+    import torch
+
+    rows = x.shape[0]
+    flat = x.reshape(rows, 1, x.shape[-1])
+    weight = module.weight.t().unsqueeze(0).expand(rows, -1, -1)
+    if module.bias is None:
+        out = torch.bmm(flat, weight)
+    else:
+        out = torch.baddbmm(module.bias.view(1, 1, -1).expand(rows, 1, -1), flat, weight)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _bmm_equals_rows(module, rows: int, generator) -> bool:
+    import torch
+    import torch.nn.functional as F
+
+    weight = module.weight
+    x = torch.randn(rows, 1, weight.shape[1], generator=generator, dtype=weight.dtype).to(weight.device)
+    alone = torch.cat([F.linear(x[row:row + 1], weight, module.bias) for row in range(rows)])
+    return torch.equal(_bmm_rows(x, module), alone)
 
 
 def _rowwise_attention(module, query, key, value, attention_mask, **kwargs):
@@ -267,6 +307,7 @@ class BatchingSampler:
     def evidence(self) -> dict[str, Any]:
         steps = self.stats["decode_steps"]
         return {"mode": self.mode, **({"reason": self.reason} if self.reason else {}), **self.stats,
+                **({"linears_row_by_row": self._rowwise.looped} if self._rowwise.looped else {}),
                 "model_s": round(self.stats["model_s"], 3),
                 "mean_rows": round(self.stats["rows_decoded"] / steps, 2) if steps else 0.0}
 
@@ -441,6 +482,8 @@ class BatchingSampler:
         if self.model.config._attn_implementation != "sdpa":
             return f"attention implementation {self.model.config._attn_implementation!r} (batching needs 'sdpa')"
         self._rowwise.register()
+        with self._inference():
+            self._rowwise.choose_linears(self.max_rows)
         vocab = self.model.config.vocab_size
         calls = [_Call([(7 * i + 3) % vocab for i in range(9)], 4, 1.0, 1.0, 0, True, 0, set()),
                  _Call([(11 * i + 5) % vocab for i in range(5)], 4, 1.0, 1.0, 0, True, 0, set())]

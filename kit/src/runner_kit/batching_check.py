@@ -3,7 +3,10 @@ over real HTTP (their clients in a process of their own, as an environment's are
 time and then batched; prints one JSON line with both runs' calls compared bit for bit, their wall time
 and the sampler's evidence.
 
-    python -m runner_kit.batching_check POLICY_DIR [--attention sdpa] [--episodes 48]
+    python -m runner_kit.batching_check POLICY_DIR [--attention sdpa] [--episodes 48] [--row-by-row]
+
+--row-by-row multiplies every linear one row at a time in batched steps, the fallback for a weight shape
+whose batched matmul rounds otherwise on this machine's BLAS (the suite checks that it is exact too).
 
 The suite (tests/test_policy_batching.py) and `make bench` (bench/bench_policy_server.py) run it in the trl
 environment."""
@@ -95,9 +98,14 @@ def main() -> None:
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--episodes", type=int, default=48)
     parser.add_argument("--drive", metavar="BASE_URL", help="only run the episodes' clients against this server")
+    parser.add_argument("--row-by-row", action="store_true", help="every linear one row at a time when batched")
     args = parser.parse_args()
     if args.drive:
         return drive(args.drive, args.policy_dir, args.episodes)
+    if args.row_by_row:
+        from . import batching
+
+        batching._bmm_equals_rows = lambda module, rows, generator: False
     tokenizer = AutoTokenizer.from_pretrained(args.policy_dir)
     model = AutoModelForCausalLM.from_pretrained(args.policy_dir, attn_implementation=args.attention)
     with tempfile.TemporaryDirectory() as folder:
