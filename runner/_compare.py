@@ -79,7 +79,8 @@ def arm_figures(stack: str, evidence: list[Evidence], data: dict[str, Any]) -> d
         "time_to_first_reproducible_update_s": data.get("time_to_first_reproducible_update_s"),
         "throughput": {"rollouts_per_s": train.get("rollouts_per_s"),
                        "policy_tokens_per_s": train.get("policy_tokens_per_s"),
-                       "rollout_stage_rollouts_per_s": rollout.get("rollouts_per_s")},
+                       "rollout_stage_rollouts_per_s": rollout.get("rollouts_per_s"),
+                       "policy_batching": train.get("policy_batching")},
         "final_weights_sha256": _final_weights(evidence),
         "evaluation": data.get("evaluation") or {},
         "harnesses": data.get("harnesses") or [],
@@ -136,6 +137,7 @@ def table_rows(arms: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
         ("first reproducible update (s)", [_cell(a["time_to_first_reproducible_update_s"]) for a in arms]),
         ("rollouts/s (train stage)", [_cell(a["throughput"]["rollouts_per_s"]) for a in arms]),
         ("policy tokens/s (train stage)", [_cell(a["throughput"]["policy_tokens_per_s"]) for a in arms]),
+        ("policy server sampling (train stage)", [_batching(a["throughput"].get("policy_batching")) for a in arms]),
         ("final weights", [_same_weights(a, arms) for a in arms]),
         ("held-out (greedy)", [split(a, "heldout") for a in arms]),
         ("retention (greedy)", [split(a, "retention") for a in arms]),
@@ -161,6 +163,17 @@ def harness_text(arm: dict[str, Any], stack: str) -> str:
     paired = row.get("paired")
     return (f"{row['task']} {row['metric']}: {row['base']['value']:.3f} → {row['trained']['value']:.3f}"
             + (f": {paired['verdict']}" if paired else ""))
+
+
+def _batching(figures: dict[str, Any] | None) -> str:
+    """How the policy server sampled: batched (exactly as one call at a time would) or one call at a time."""
+    if not figures:
+        return "–"
+    if figures.get("mode") != "batched":
+        return f"one call at a time: {figures.get('reason') or 'no reason given'}"
+    looped = figures.get("linears_row_by_row") or []
+    return (f"batched, {figures.get('mean_rows')} rows per decode step"
+            + (f" ({len(looped)} linear(s) row by row: {', '.join(looped[:3])})" if looped else ""))
 
 
 def _mismatch(panel: dict[str, Any] | None) -> str:

@@ -66,10 +66,13 @@ def test_environment_arms_capture_every_call_and_lose_no_episode(comparison):
 
 
 def test_comparison_carries_the_figures(comparison):
-    _, data, _ = comparison
+    run_dir, data, _ = comparison
+    assert "| policy server sampling (train stage) | – | batched, " in (run_dir / "comparison.md").read_text()
     for arm in data["arms"]:
         assert arm["time_to_first_reproducible_update_s"] > 0
         assert arm["throughput"]["rollouts_per_s"] > 0 and arm["throughput"]["policy_tokens_per_s"] > 0
+        batching = arm["throughput"]["policy_batching"]  # the trl arm samples in its own generate loop
+        assert batching is None if arm["stack"] == "trl" else batching["mode"] == "batched", (arm["stack"], batching)
         assert set(arm["evaluation"]) == {"heldout", "retention"}
         assert arm["recovery"]["resume_passed"] is True
         # Measured by each stack's probe, inside the local engine's bubblewrap sandbox (an environment

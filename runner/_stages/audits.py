@@ -50,6 +50,9 @@ def environment_arm_audit(arm: Arm, out: Path, result: StageResult | None) -> tu
     stack_rows = sum(batch.get("rows_from_stack_capture", 0) for batch in reported(result, "batches", metrics) or [])
     if stack_rows:
         metrics["rows_from_stack_capture"] = stack_rows
+    batching = reported(result, "policy_batching", metrics)  # batched or one call at a time, and why
+    if batching:
+        metrics["policy_batching"] = batching
     return gates, metrics
 
 
