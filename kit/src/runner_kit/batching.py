@@ -187,7 +187,7 @@ class _Rowwise:
                 continue
             shape = (tuple(module.weight.shape), module.bias is not None, module.weight.dtype, module.weight.device)
             if shape not in exact:
-                exact[shape] = all(_bmm_equals_rows(module, rows, generator) for rows in counts)
+                exact[shape] = _bmm_equals_rows(module, counts, generator)
             self.forwards.append((module, _rowwise_linear(module, batched=exact[shape])))
             if not exact[shape]:
                 self.looped.append(name)
@@ -257,14 +257,16 @@ def _bmm_rows(x, module):
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _bmm_equals_rows(module, rows: int, generator) -> bool:
+def _bmm_equals_rows(module, counts: list[int], generator) -> bool:
+    """Whether one bmm over the first n of some random rows equals F.linear row by row, for each n in counts
+    (a row alone does not depend on n: its product is computed once)."""
     import torch
     import torch.nn.functional as F
 
     weight = module.weight
-    x = torch.randn(rows, 1, weight.shape[1], generator=generator, dtype=weight.dtype).to(weight.device)
-    alone = torch.cat([F.linear(x[row:row + 1], weight, module.bias) for row in range(rows)])
-    return torch.equal(_bmm_rows(x, module), alone)
+    x = torch.randn(max(counts), 1, weight.shape[1], generator=generator, dtype=weight.dtype).to(weight.device)
+    alone = torch.cat([F.linear(x[row:row + 1], weight, module.bias) for row in range(len(x))])
+    return all(torch.equal(_bmm_rows(x[:rows], module), alone[:rows]) for rows in counts)
 
 
 def _rowwise_attention(module, query, key, value, attention_mask, **kwargs):

@@ -105,7 +105,7 @@ def main() -> None:
     if args.row_by_row:
         from . import batching
 
-        batching._bmm_equals_rows = lambda module, rows, generator: False
+        batching._bmm_equals_rows = lambda module, counts, generator: False
     tokenizer = AutoTokenizer.from_pretrained(args.policy_dir)
     model = AutoModelForCausalLM.from_pretrained(args.policy_dir, attn_implementation=args.attention)
     with tempfile.TemporaryDirectory() as folder:
