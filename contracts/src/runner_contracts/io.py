@@ -106,27 +106,34 @@ def iter_jsonl(path: str | os.PathLike[str], record_type: type[R], *, allow_trun
                 if allow_truncated_tail:
                     return
                 raise RecordError(path, line_no, "(line)", "truncated line: no newline at end of file")
-            try:  # the common case inline; decode_line names what is wrong
+            try:  # decode_line inline: the common case costs no call
                 record = decode(raw)
             except (msgspec.DecodeError, msgspec.ValidationError):
                 record = None
             if record is None or (versioned and record.version > SUPPORTED_VERSION):
-                record = decode_line(raw, record_type, decoder, path, line_no)
+                record = _refused(raw, record_type, decoder, path, line_no)
             yield line_no, record
 
 
 def decode_line(raw: bytes, record_type: type[R], decoder: msgspec.json.Decoder, path: str | os.PathLike[str],
                 line_no: int) -> R:
     """One JSONL line's record; a blank line, a bad record or a newer version raises RecordError."""
-    if raw[:1].isspace() and not raw.strip():  # a record line starts with "{": strip only then
-        raise RecordError(path, line_no, "(line)", "empty line")
     try:
         record = decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
         record = None
     if record is None or getattr(record, "version", SUPPORTED_VERSION) > SUPPORTED_VERSION:
-        record = decode_record(raw, record_type, path, line_no, decoder)  # raises, naming the field
+        return _refused(raw, record_type, decoder, path, line_no)
     return record
+
+
+def _refused(raw: bytes, record_type: type[R], decoder: msgspec.json.Decoder, path: str | os.PathLike[str],
+             line_no: int) -> R:
+    """Raises the RecordError that says why a decode refused `raw` (a blank line, the failing field, a newer
+    version)."""
+    if not raw.strip():
+        raise RecordError(path, line_no, "(line)", "empty line")
+    return decode_record(raw, record_type, path, line_no, decoder)
 
 
 def line_ranges(path: str | os.PathLike[str], parts: int) -> list[tuple[int, int]]:

@@ -26,7 +26,7 @@ BAND_LOG = math.log(2.0)  # ratios in [0.5, 2] are |d| <= ln 2; compared in log 
 
 
 FLUSH_TOKENS = 1 << 16  # pairs that wait before numpy reduces them (2 x 512 KB of doubles)
-_DOUBLE = struct.calcsize("d")
+DOUBLE = struct.calcsize("d")  # bytes a packed logprob takes
 
 
 @dataclass
@@ -139,15 +139,15 @@ class MismatchPanel:
         """One sequence's pairs, as packed doubles of the same length. A sequence with a value that is not
         finite is left out of the figures and counted (`not_finite`); max_abs_diff() is then infinite."""
         if len(trainer) != len(sampler):
-            raise ValueError(f"{len(trainer) // _DOUBLE} trainer logprobs but {len(sampler) // _DOUBLE} sampler logprobs")
+            raise ValueError(f"{len(trainer) // DOUBLE} trainer logprobs but {len(sampler) // DOUBLE} sampler logprobs")
         if not trainer:
             return
         steps, lengths, trainers, samplers = self._waiting
         steps.append(step)
-        lengths.append(len(trainer) // _DOUBLE)
+        lengths.append(len(trainer) // DOUBLE)
         trainers += trainer
         samplers += sampler
-        if len(trainers) >= FLUSH_TOKENS * _DOUBLE:
+        if len(trainers) >= FLUSH_TOKENS * DOUBLE:
             self._reduce()
 
     def _reduce(self) -> None:

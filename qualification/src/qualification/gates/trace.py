@@ -35,12 +35,11 @@ import msgspec
 
 from runner_contracts import GateResult, RecordError, TrainingRow, Trajectory, iter_jsonl, line_ranges
 
-from .mismatch import MismatchPanel
+from .mismatch import DOUBLE, MismatchPanel
 from .scratch import ScratchDatabase, SeenIds, map_in_order
 
 MAX_EXAMPLES = 3
 POLICY, OTHER = b"\x01", b"\x00"
-_DOUBLE = struct.calcsize("d")
 _ENVIRONMENT_SOURCES = frozenset(("tool", "env"))
 WINDOW_TOKENS = 1 << 18  # tokens of the episodes kept in memory for the rows that name them (~10 MB at most)
 PARALLEL_FROM_BYTES = 8 << 20  # both files together; smaller ones are audited in one part, in this process
@@ -500,7 +499,7 @@ class TraceAudit:
                                                         f"{len(sampled)} sampled policy tokens")
         self.counts["trained_tokens"] += trained_count
         if row.old_logprobs is not None:
-            sampled_count = len(sampled_logprobs) // _DOUBLE
+            sampled_count = len(sampled_logprobs) // DOUBLE
             self.counts["logprob_pairs"] += min(trained_count, sampled_count)
             recomputed = compress(row.old_logprobs, row.loss_mask)  # one per trained token
             if trained_count == sampled_count:  # the panel keeps max |trainer - sampler|: the gap, read in gates()
