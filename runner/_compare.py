@@ -172,8 +172,10 @@ def _batching(figures: dict[str, Any] | None) -> str:
     if figures.get("mode") != "batched":
         return f"one call at a time: {figures.get('reason') or 'no reason given'}"
     looped = figures.get("linears_row_by_row") or []
-    return (f"batched, {figures.get('mean_rows')} rows per decode step"
-            + (f" ({len(looped)} linear(s) row by row: {', '.join(looped[:3])})" if looped else ""))
+    attention = figures.get("attention", "")
+    notes = [*([f"{len(looped)} linear(s) row by row: {', '.join(looped[:3])}"] if looped else []),
+             *([f"attention {attention}"] if attention.startswith("one row at a time") else [])]
+    return f"batched, {figures.get('mean_rows')} rows per decode step" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _mismatch(panel: dict[str, Any] | None) -> str:

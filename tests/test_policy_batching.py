@@ -50,16 +50,34 @@ def test_concurrent_episodes_sampled_batched_equal_one_at_a_time_bit_for_bit(trl
     # Episodes asking the same question started from one prefill of it, and sampled what they sample alone.
     assert batched["prefills_shared"] > 0 and found["alone"]["prefills_shared"] == 0, batched
     assert batched["rows_decoded"] + batched["calls"] >= found["tokens"]
+    # Two episodes ask each question: their rows have one length and share an attention call.
+    assert batched["attention"] == "rows of one length together", batched
+    assert batched["mean_rows_per_attention_call"] > 1.2, batched
 
 
-def test_linears_multiplied_one_row_at_a_time_in_batched_steps_are_exact_too(trl_and_policy):
-    """The fallback for a weight shape whose batched matmul rounds otherwise on this machine's BLAS (MKL's
-    batched kernel on AVX-512 does, for the tiny policy's 642 x 128 lm_head), forced for every linear."""
-    found = sample_both_ways(trl_and_policy, "sdpa", 8, "--row-by-row")
+def test_the_row_by_row_fallbacks_in_batched_steps_are_exact_too(trl_and_policy):
+    """The fallbacks for a weight shape whose batched matmul rounds otherwise on this machine's BLAS (MKL's
+    batched kernel on AVX-512 does, for the tiny policy's 642 x 128 lm_head) and for an SDPA that computes a row
+    otherwise in a batch: forced, every linear multiplied and every row attended one row at a time."""
+    found = sample_both_ways(trl_and_policy, "sdpa", 8, "--fallbacks")
     assert found["same_calls"] and found["differing"] == [], found["differing"]
     batched = found["batched"]
     assert batched["mode"] == "batched" and batched["max_rows"] >= 4, batched
     assert "lm_head" in batched["linears_row_by_row"] and len(batched["linears_row_by_row"]) == 2 * 7 + 1, batched
+    assert batched["attention"] == "one row at a time: forced by --fallbacks", batched
+    assert batched["mean_rows_per_attention_call"] == 1.0, batched
+
+
+def test_batched_sampling_draws_what_torch_multinomial_drew_one_row_at_a_time(trl_and_policy):
+    """The sampler before batching called torch.multinomial per row; batched, each row draws the same noise from
+    its own generator and computes the rest over all rows: the same token and logprob for every row (greedy,
+    temperature, top-k and top-p rows mixed, vocabularies of 642 and 151936)."""
+    trl, _ = trl_and_policy
+    run = subprocess.run([str(trl.python), "-m", "runner_kit.batching_check", "--sampling"], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found == {"rows": 7 * 40 + 7 * 4, "differing": 0}
 
 
 def test_a_model_the_server_cannot_batch_exactly_is_sampled_one_call_at_a_time_and_says_why(trl_and_policy):

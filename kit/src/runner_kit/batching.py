@@ -14,12 +14,16 @@ batch. Two things make the shared forward pass exact:
   batched kernel rounds a 642 x 128 lm_head otherwise), so each weight shape is checked on this machine at
   start, for 2 to 8, 16, 32 and 64 rows, and a shape that fails is multiplied one row at a time (F.linear
   per row: the very call one-at-a-time sampling makes);
-- attention runs per row over that row's own keys (the batched cache is left-padded, and the padding never
-  enters a reduction).
+- attention runs over each row's own keys (the batched cache is left-padded, and the padding never enters a
+  reduction), one SDPA call for each run of rows of one length (a group's samples of one prompt stay in step)
+  where this machine's SDPA computes a row in such a batch as it computes it alone (checked at start for
+  2-8 rows and key counts to 2049), else one call per row.
 
-Everything else in a decoder layer (norms, rotary embeddings, activations) is row-wise already. Each
-sampler checks this on its model before it batches (`batch_invariance`): two prompts decoded together must
-give the logits they give alone, bit for bit, or it samples one call at a time and says why.
+Everything else in a decoder layer (norms, rotary embeddings, activations) is row-wise already, and so is
+sampling: each call draws its noise from its own generator, and the arithmetic around the draws runs over
+all rows at once (`sample`). Each sampler checks all this on its model before it batches: three prompts
+decoded together (two of one length) must give the logits they give alone, bit for bit, or it samples one
+call at a time and says why.
 
 A call whose prompt the batcher prefilled a moment ago (another sample of the same group) starts from a
 copy of that prefill: a prefill is a function of the prompt's ids and the weights alone, so the copy is
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import queue
 import threading
 import time
@@ -58,6 +63,56 @@ def processed_logprobs(logits, temperature: float, top_p: float, top_k: int):
     return torch.log_softmax(scores, dim=-1)
 
 
+def sample(calls: list[_Call], logits) -> list[bool]:
+    """Samples each call's next token from its row of `logits` ([calls, vocab]) and records it; True for each
+    call that is finished.
+
+    A sampled row draws what torch.multinomial(p, 1) draws for one sample: Exp(1) noise over the vocabulary
+    from the call's own generator, then argmax(p / noise). The arithmetic around the draws (temperature,
+    log_softmax, exp, the division, argmax) runs once over the rows that sample alike; each of those ops
+    computes a row as it computes the row alone, which the sampler's start-up check confirms."""
+    import torch
+
+    logits = logits.float().cpu()
+    alike: dict[tuple, list[int]] = {}
+    for row, call in enumerate(calls):
+        alike.setdefault((call.greedy, call.temperature, call.top_p, call.top_k), []).append(row)
+    if len(alike) == 1:
+        scores = _processed(logits, *next(iter(alike)))
+    else:
+        scores = torch.empty_like(logits)
+        for key, rows in alike.items():
+            scores[rows] = _processed(logits[rows], *key)
+    tokens = scores.argmax(dim=-1)
+    hot = [row for row, call in enumerate(calls) if not call.greedy]
+    if hot:
+        probabilities = scores.exp() if len(hot) == len(calls) else scores[hot].exp()
+        if math.isnan(float(probabilities.sum())):  # log_softmax of an inf or nan logit is nan
+            raise RuntimeError("the policy's logits are not finite (inf or nan): nothing can be sampled from them")
+        noise = torch.empty_like(probabilities)
+        for row, call in zip(noise, (calls[row] for row in hot)):
+            row.exponential_(1, generator=call.generator)
+        drawn = (probabilities / noise).argmax(dim=-1)
+        if len(hot) == len(calls):
+            tokens = drawn
+        else:
+            tokens[hot] = drawn
+    logprobs = scores.gather(1, tokens.unsqueeze(1)).view(-1)
+    return [call.record(token, logprob) for call, token, logprob in zip(calls, tokens.tolist(), logprobs.tolist())]
+
+
+def _processed(logits, greedy: bool, temperature: float, top_p: float, top_k: int):
+    """Rows of log-probabilities to sample from: the logits' own for greedy rows, else after temperature, top-k
+    and top-p (one op over all rows when only the temperature applies)."""
+    import torch
+
+    if greedy:
+        return torch.log_softmax(logits, dim=-1)
+    if top_p >= 1.0 and not 0 < top_k < logits.shape[-1]:
+        return torch.log_softmax(logits / temperature, dim=-1)
+    return torch.stack([processed_logprobs(row, temperature, top_p, top_k) for row in logits])
+
+
 @dataclass
 class _Call:
     """One generation: its sampling parameters, its own seeded generator and what it has sampled so far."""
@@ -82,19 +137,10 @@ class _Call:
 
         self.generator = torch.Generator().manual_seed(self.seed)
 
-    def take(self, logits) -> bool:
-        """Samples the next token from `logits` (this call's last position); True when the call is finished."""
-        import torch
-
-        logits = logits.float().cpu()
-        if self.greedy:
-            scores = torch.log_softmax(logits, dim=-1)
-            token = int(torch.argmax(scores))
-        else:
-            scores = processed_logprobs(logits, self.temperature, self.top_p, self.top_k)
-            token = int(torch.multinomial(scores.exp(), 1, generator=self.generator))
+    def record(self, token: int, logprob: float) -> bool:
+        """Appends a sampled token; True when the call is finished (an eos id or max_new_tokens)."""
         self.ids.append(token)
-        self.logprobs.append(min(0.0, float(scores[token])))
+        self.logprobs.append(min(0.0, logprob))
         if token in self.eos_ids:
             return self.end("stop")
         if len(self.ids) >= self.max_new_tokens:
@@ -169,8 +215,10 @@ class _Rowwise:
         self.model = model
         self.forwards: list = []  # (linear, its row-wise forward), made once by choose_linears()
         self.looped: list[str] = []  # linears multiplied one row at a time: this BLAS's bmm rounds them otherwise
+        self.attention_grouped = False  # rows of one length share an attention call: choose_attention()
+        self.attention_reason = "not checked"
         self.thread: int | None = None
-        self.lengths: list[int] = []
+        self.runs: list[tuple[int, int, int]] = []  # (first row, row after the last, keys) of one attention call
         self.attention_calls = 0
 
     def choose_linears(self, max_rows: int) -> None:
@@ -192,6 +240,13 @@ class _Rowwise:
             if not exact[shape]:
                 self.looped.append(name)
 
+    def choose_attention(self) -> None:
+        """Whether rows of one length may share an attention call: where this machine's SDPA computes a row
+        in a batch of equal-length rows bit for bit as it computes the row alone (random queries and keys in
+        the model's head layout, 2, 3, 4 and 8 rows, 1 to 2049 keys: ATTENTION_CHECK_KEYS)."""
+        self.attention_reason = _attention_batch_invariance(self.model)
+        self.attention_grouped = not self.attention_reason
+
     def register(self) -> None:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -208,7 +263,12 @@ class _Rowwise:
         for module, forward in self.forwards:
             module.forward = forward
         model.config._attn_implementation = self.name
-        self.thread, self.lengths, self.attention_calls = threading.get_ident(), lengths, 0
+        if self.attention_grouped:
+            starts = [row for row in range(len(lengths)) if row == 0 or lengths[row] != lengths[row - 1]]
+            self.runs = [(start, end, lengths[start]) for start, end in zip(starts, [*starts[1:], len(lengths)])]
+        else:
+            self.runs = [(row, row + 1, keys) for row, keys in enumerate(lengths)]
+        self.thread, self.attention_calls = threading.get_ident(), 0
         _ACTIVE.append(self)
         try:
             yield
@@ -278,9 +338,49 @@ def _rowwise_attention(module, query, key, value, attention_mask, **kwargs):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     rows.attention_calls += 1
     total = key.shape[2]
-    outputs = [sdpa_attention_forward(module, query[i:i + 1], key[i:i + 1, :, total - n:], value[i:i + 1, :, total - n:],
-                                      None, **kwargs)[0] for i, n in enumerate(rows.lengths)]
+    outputs = [sdpa_attention_forward(module, query[start:end], key[start:end, :, total - n:],
+                                      value[start:end, :, total - n:], None, **kwargs)[0]
+               for start, end, n in rows.runs]
     return torch.cat(outputs, 0), None
+
+
+# Key counts the attention check tries: every count to 64, then each side of every multiple of 64 to 2048 (the
+# CPU kernel's key and query blocks are multiples of 32, so where a batch could change the split, it is there).
+ATTENTION_CHECK_KEYS = (*range(1, 65), *(keys + step for keys in range(128, 2049, 64) for step in (-1, 0, 1)))
+
+
+def _attention_batch_invariance(model) -> str:
+    """Empty when SDPA computes each of 2, 3, 4 or 8 equal-length rows as it computes the row alone, for every
+    key count in ATTENTION_CHECK_KEYS, in the model's head layout and over views of a left-padded cache (as
+    decode steps call it); else why not."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = next((m for m in model.modules() if hasattr(m, "head_dim") and hasattr(m, "scaling")
+                   and hasattr(m, "num_key_value_groups")), None)
+    if module is None:
+        return "no attention module with head_dim, scaling and num_key_value_groups"
+    heads, head_dim = model.config.num_attention_heads, module.head_dim
+    kv_heads = heads // module.num_key_value_groups
+    parameter = next(model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    pad = 3
+
+    def random(*shape):
+        return torch.randn(*shape, generator=generator).to(parameter.device, parameter.dtype)
+
+    def attend(query, key, value):
+        return sdpa_attention_forward(module, query, key, value, None, dropout=0.0, scaling=module.scaling)[0]
+
+    for keys in ATTENTION_CHECK_KEYS:
+        query = random(8, heads, 1, head_dim)
+        key, value = random(8, kv_heads, pad + keys, head_dim), random(8, kv_heads, pad + keys, head_dim)
+        alone = torch.cat([attend(query[row:row + 1], key[row:row + 1, :, pad:], value[row:row + 1, :, pad:])
+                           for row in range(8)])
+        for rows in (2, 3, 4, 8):
+            if not torch.equal(attend(query[:rows], key[:rows, :, pad:], value[:rows, :, pad:]), alone[:rows]):
+                return f"SDPA over {rows} rows of {keys} keys computes a row otherwise than alone"
+    return ""
 
 
 class BatchingSampler:
@@ -292,7 +392,7 @@ class BatchingSampler:
     def __init__(self, model, eos_ids: set[int], *, max_rows: int = MAX_ROWS):
         self.model, self.eos_ids, self.max_rows = model, eos_ids, max_rows
         self.stats = {"calls": 0, "decode_steps": 0, "rows_decoded": 0, "max_rows": 0, "prefills_shared": 0,
-                      "model_s": 0.0}
+                      "attention_calls": 0, "model_s": 0.0}  # attention_calls: per layer, in decode steps
         self._rowwise = _Rowwise(model)
         self._shared = _SharedPrefills(model)
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
@@ -310,8 +410,12 @@ class BatchingSampler:
         steps = self.stats["decode_steps"]
         return {"mode": self.mode, **({"reason": self.reason} if self.reason else {}), **self.stats,
                 **({"linears_row_by_row": self._rowwise.looped} if self._rowwise.looped else {}),
+                **({"attention": "rows of one length together" if self._rowwise.attention_grouped
+                    else f"one row at a time: {self._rowwise.attention_reason}"} if self.mode == "batched" else {}),
                 "model_s": round(self.stats["model_s"], 3),
-                "mean_rows": round(self.stats["rows_decoded"] / steps, 2) if steps else 0.0}
+                "mean_rows": round(self.stats["rows_decoded"] / steps, 2) if steps else 0.0,
+                "mean_rows_per_attention_call": (round(self.stats["rows_decoded"] / self.stats["attention_calls"], 2)
+                                                 if self.stats["attention_calls"] else 0.0)}
 
     def sample(self, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_p: float, top_k: int,
                seed: int, greedy: bool) -> tuple[list[int], list[float], str]:
@@ -345,7 +449,7 @@ class BatchingSampler:
         import torch
 
         logits, cache = self._prefill(call)
-        while not call.take(logits):
+        while not sample([call], logits.unsqueeze(0))[0]:
             output = self.model(input_ids=torch.tensor([[call.ids[-1]]], device=self.model.device),
                                 past_key_values=cache, use_cache=True)
             logits, cache = output.logits[0, -1], output.past_key_values
@@ -388,12 +492,19 @@ class BatchingSampler:
                 while waiting and len(active) + len(admitted) < self.max_rows:
                     call = waiting.pop(0)
                     try:
-                        admitted.extend(self._admit(call))
+                        admitted.append((call, *self._prefilled(call)))
                     except Exception as error:  # noqa: BLE001 - answered to the caller, who reports it
                         call.end(None, error)
                 if admitted:
-                    cache = _join(cache, [prefilled for _, prefilled in admitted])
-                    active.extend(call for call, _ in admitted)
+                    try:
+                        admitted = self._first_tokens(admitted)
+                    except Exception as error:  # noqa: BLE001 - non-finite logits: answered to the callers
+                        for call, _, _ in admitted:
+                            call.end(None, error)
+                        admitted = []
+                if admitted:
+                    cache = _join(cache, [prefilled for _, _, prefilled in admitted])
+                    active.extend(call for call, _, _ in admitted)
                 if active:
                     try:
                         cache = self._step(active, cache)
@@ -403,19 +514,28 @@ class BatchingSampler:
                         active, cache = [], None
             self.stats["model_s"] += time.monotonic() - started
 
-    def _admit(self, call: _Call) -> list:
-        """Prefills `call` alone (or takes the same prompt's recent prefill) and samples its first token:
-        [(call, its cache)] while it goes on, else []."""
+    def _prefilled(self, call: _Call) -> tuple:
+        """(last-position logits, KV cache) of `call`'s prompt: prefilled alone, or a copy of the same prompt's
+        recent prefill."""
         prompt = tuple(call.prompt_ids)
         shared = self._shared.get(prompt)
         if shared is not None:
             call.length = len(prompt)
-            logits, cache = shared
             self.stats["prefills_shared"] += 1
-        else:
-            logits, cache = self._prefill(call)
-            self._shared.put(prompt, logits, cache)
-        return [] if call.take(logits) else [(call, cache)]
+            return shared
+        logits, cache = self._prefill(call)
+        self._shared.put(prompt, logits, cache)
+        return logits, cache
+
+    @staticmethod
+    def _first_tokens(admitted: list[tuple]) -> list[tuple]:
+        """Samples each admitted call's first token; the calls that go on, equal prompt lengths next to each
+        other (rows of one length share attention)."""
+        import torch
+
+        finished = sample([call for call, _, _ in admitted], torch.stack([logits for _, logits, _ in admitted]))
+        going_on = [entry for entry, done in zip(admitted, finished) if not done]
+        return sorted(going_on, key=lambda entry: entry[0].length)
 
     def _prefill(self, call: _Call):
         """(the prompt's last-position logits, its KV cache)."""
@@ -449,8 +569,9 @@ class BatchingSampler:
         with self._stats_lock:
             self.stats["decode_steps"] += 1
             self.stats["rows_decoded"] += len(active)
+            self.stats["attention_calls"] += len(self._rowwise.runs)
             self.stats["max_rows"] = max(self.stats["max_rows"], len(active))
-        done = [call.take(output.logits[row, -1]) for row, call in enumerate(active)]
+        done = sample(active, output.logits[:, -1])
         if not any(done):
             return output.past_key_values
         keep = [row for row, finished in enumerate(done) if not finished]
@@ -486,8 +607,10 @@ class BatchingSampler:
         self._rowwise.register()
         with self._inference():
             self._rowwise.choose_linears(self.max_rows)
+            self._rowwise.choose_attention()
         vocab = self.model.config.vocab_size
         calls = [_Call([(7 * i + 3) % vocab for i in range(9)], 4, 1.0, 1.0, 0, True, 0, set()),
+                 _Call([(13 * i + 1) % vocab for i in range(9)], 4, 1.0, 1.0, 0, True, 0, set()),
                  _Call([(11 * i + 5) % vocab for i in range(5)], 4, 1.0, 1.0, 0, True, 0, set())]
         steps = 3
         with self._inference():
@@ -512,7 +635,35 @@ class BatchingSampler:
                     if not torch.equal(output.logits[row, -1], alone[row][step]):
                         difference = float((output.logits[row, -1] - alone[row][step]).abs().max())
                         return f"batched logits differ from one-at-a-time ones by up to {difference:.3g}"
-        return ""
+        return _sampling_batch_invariance(vocab)
+
+
+# (temperature, top_p, top_k, greedy) of the rows the sampling checks draw for, each for a call of its own seed
+SAMPLING_CHECK_ROWS = ((1.0, 1.0, 0, True), (1.0, 1.0, 0, False), (1.0, 1.0, 0, False), (0.7, 1.0, 0, False),
+                       (1.3, 1.0, 20, False), (0.9, 0.8, 0, False), (1.0, 0.95, 50, False))
+
+
+def sampling_check_calls() -> list[_Call]:
+    """Calls that never finish, one per SAMPLING_CHECK_ROWS entry, seeded by their row."""
+    return [_Call([0], 1 << 30, temperature, top_p, top_k, greedy, row, set())
+            for row, (temperature, top_p, top_k, greedy) in enumerate(SAMPLING_CHECK_ROWS)]
+
+
+def _sampling_batch_invariance(vocab: int, steps: int = 4) -> str:
+    """Empty when `sample` draws each row of a batch (greedy, temperature, top-k and top-p rows mixed, random
+    logits) as it draws the row alone; else why not."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    together, alone = sampling_check_calls(), sampling_check_calls()
+    for _ in range(steps):
+        logits = torch.randn(len(together), vocab, generator=generator) * 4
+        sample(together, logits)
+        for row, call in enumerate(alone):
+            sample([call], logits[row:row + 1])
+    if any((a.ids, a.logprobs) != (b.ids, b.logprobs) for a, b in zip(together, alone)):
+        return "rows sampled together draw otherwise than each row alone"
+    return ""
 
 
 def _join(cache, added: list):

@@ -3,10 +3,14 @@ over real HTTP (their clients in a process of their own, as an environment's are
 time and then batched; prints one JSON line with both runs' calls compared bit for bit, their wall time
 and the sampler's evidence.
 
-    python -m runner_kit.batching_check POLICY_DIR [--attention sdpa] [--episodes 48] [--row-by-row]
+    python -m runner_kit.batching_check POLICY_DIR [--attention sdpa] [--episodes 48] [--fallbacks]
+    python -m runner_kit.batching_check --sampling
 
---row-by-row multiplies every linear one row at a time in batched steps, the fallback for a weight shape
-whose batched matmul rounds otherwise on this machine's BLAS (the suite checks that it is exact too).
+--fallbacks multiplies every linear one row at a time in batched steps and gives every row an attention call
+of its own: the fallbacks for a weight shape whose batched matmul, or an SDPA whose batch, rounds otherwise on
+this machine (the suite checks that they are exact too). --sampling compares the batched sampler with
+torch.multinomial called one row at a time (the sampler before batching) on random logits, greedy, top-k and
+top-p rows mixed, and prints how many rows drew another token or logprob.
 
 The suite (tests/test_policy_batching.py) and `make bench` (bench/bench_policy_server.py) run it in the trl
 environment."""
@@ -90,22 +94,59 @@ def run(model, tokenizer, policy_dir: str, episodes: int, max_rows: int, folder:
     return {c["call_id"]: c for c in calls}, server.sampler.evidence(), seconds
 
 
+def compare_sampling(steps: int = 40) -> dict:
+    """The batched sampler against torch.multinomial one row at a time, as the sampler drew before it batched
+    (processed_logprobs, then torch.multinomial of their exp with the call's generator), on random logits for
+    two vocabulary sizes: {"rows": compared, "differing": rows whose token or logprob differ}.
+
+    The reference below is the sampler's old per-row code, kept here as what batching must reproduce."""
+    import torch
+
+    from .batching import SAMPLING_CHECK_ROWS, processed_logprobs, sample, sampling_check_calls
+
+    generator = torch.Generator().manual_seed(1)
+    compared = differing = 0
+    for vocab, vocab_steps in ((642, steps), (151_936, 4)):
+        calls = sampling_check_calls()
+        reference = [torch.Generator().manual_seed(row) for row in range(len(calls))]
+        for _ in range(vocab_steps):
+            logits = torch.randn(len(calls), vocab, generator=generator) * 4
+            sample(calls, logits)
+            for row, (call, (temperature, top_p, top_k, greedy)) in enumerate(zip(calls, SAMPLING_CHECK_ROWS)):
+                if greedy:
+                    scores = torch.log_softmax(logits[row], dim=-1)
+                    token = int(torch.argmax(scores))
+                else:
+                    scores = processed_logprobs(logits[row], temperature, top_p, top_k)
+                    token = int(torch.multinomial(scores.exp(), 1, generator=reference[row]))
+                compared += 1
+                differing += (call.ids[-1], call.logprobs[-1]) != (token, min(0.0, float(scores[token])))
+    return {"rows": compared, "differing": differing}
+
+
 def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("policy_dir")
+    parser.add_argument("policy_dir", nargs="?")
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--episodes", type=int, default=48)
     parser.add_argument("--drive", metavar="BASE_URL", help="only run the episodes' clients against this server")
-    parser.add_argument("--row-by-row", action="store_true", help="every linear one row at a time when batched")
+    parser.add_argument("--fallbacks", action="store_true",
+                        help="batched steps multiply every linear and attend every row one row at a time")
+    parser.add_argument("--sampling", action="store_true", help="only compare sampling with torch.multinomial")
     args = parser.parse_args()
+    if args.sampling:
+        return print(json.dumps(compare_sampling()))
+    if not args.policy_dir:
+        parser.error("POLICY_DIR is needed unless --sampling")
     if args.drive:
         return drive(args.drive, args.policy_dir, args.episodes)
-    if args.row_by_row:
+    if args.fallbacks:
         from . import batching
 
         batching._bmm_equals_rows = lambda module, counts, generator: False
+        batching._attention_batch_invariance = lambda model: "forced by --fallbacks"
     tokenizer = AutoTokenizer.from_pretrained(args.policy_dir)
     model = AutoModelForCausalLM.from_pretrained(args.policy_dir, attn_implementation=args.attention)
     with tempfile.TemporaryDirectory() as folder:
