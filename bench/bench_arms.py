@@ -1,7 +1,8 @@
 """Every language-model arm on the calc-tool CPU plan, in one `runner compare` (stages probe to update, then
 train): each environment arm's train-stage rollouts/s against the trl arm's (#22's goal: >= 0.8x), and each
 arm's time to its first reproducible update against the one-minute budget. Also prints the policy server's
-batching figures per environment arm (calls, decode steps, mean rows, model seconds).
+batching figures per environment arm (calls, decode steps, mean rows per step and per attention call, model
+seconds).
 
     python bench/bench_arms.py [--stacks trl,openenv,...]
 
@@ -50,7 +51,8 @@ def main() -> None:
         print(f"{name:16}{rate:>11.1f}{rate / trl_rate:>7.2f}{first:>16.1f}  "
               + (f"{server.get('calls')} calls ({server.get('prefills_shared')} from a shared prefill), "
                  f"{server.get('decode_steps')} steps, {server.get('mean_rows')} rows per step, "
-                 f"model {server.get('model_s')} s" if server else "-"))
+                 f"{server.get('mean_rows_per_attention_call')} per attention call, model {server.get('model_s')} s"
+                 if server else "-"))
     record("arms", [
         *(figure(f"{name} train-stage rollouts/s", arm["throughput"]["rollouts_per_s"], "/s", "trl arm, same run",
                  trl_rate, goal=">= 0.8", note="same tokens as one-at-a-time sampling")

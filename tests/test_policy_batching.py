@@ -50,9 +50,14 @@ def test_concurrent_episodes_sampled_batched_equal_one_at_a_time_bit_for_bit(trl
     # Episodes asking the same question started from one prefill of it, and sampled what they sample alone.
     assert batched["prefills_shared"] > 0 and found["alone"]["prefills_shared"] == 0, batched
     assert batched["rows_decoded"] + batched["calls"] >= found["tokens"]
-    # Two episodes ask each question: their rows have one length and share an attention call.
-    assert batched["attention"] == "rows of one length together", batched
-    assert batched["mean_rows_per_attention_call"] > 1.2, batched
+    # Two episodes ask each question: their rows have one length and share an attention call where this
+    # machine's SDPA computes a row in a batch as alone (the server's start-up check); else each row has its own.
+    if batched["attention"] == "rows of one length together":
+        assert batched["mean_rows_per_attention_call"] > 1.2, batched
+    else:
+        assert batched["attention"].startswith("one row at a time: SDPA over"), batched
+        assert batched["mean_rows_per_attention_call"] == 1.0, batched
+        print(f"this machine's SDPA refused grouped attention: {batched['attention']}")
 
 
 def test_the_row_by_row_fallbacks_in_batched_steps_are_exact_too(trl_and_policy):
