@@ -76,13 +76,15 @@ def test_the_row_by_row_fallbacks_in_batched_steps_are_exact_too(trl_and_policy)
 def test_batched_sampling_draws_what_torch_multinomial_drew_one_row_at_a_time(trl_and_policy):
     """The sampler before batching called torch.multinomial per row; batched, each row draws the same noise from
     its own generator and computes the rest over all rows: the same token and logprob for every row (greedy,
-    temperature, top-k and top-p rows mixed, vocabularies of 642 and 151936)."""
+    temperature, top-k and top-p rows mixed, vocabularies of 642 and 151936); a nan logit is refused by name,
+    as torch.multinomial refused it."""
     trl, _ = trl_and_policy
     run = subprocess.run([str(trl.python), "-m", "runner_kit.batching_check", "--sampling"], capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
-    assert found == {"rows": 7 * 40 + 7 * 4, "differing": 0}
+    assert found == {"rows": 7 * 40 + 7 * 4, "differing": 0, "nan_logit": "the policy's logits are not finite "
+                     "(inf or nan): nothing can be sampled from them"}
 
 
 def test_a_model_the_server_cannot_batch_exactly_is_sampled_one_call_at_a_time_and_says_why(trl_and_policy):

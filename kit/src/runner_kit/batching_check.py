@@ -10,7 +10,7 @@ and the sampler's evidence.
 of its own: the fallbacks for a weight shape whose batched matmul, or an SDPA whose batch, rounds otherwise on
 this machine (the suite checks that they are exact too). --sampling compares the batched sampler with
 torch.multinomial called one row at a time (the sampler before batching) on random logits, greedy, top-k and
-top-p rows mixed, and prints how many rows drew another token or logprob.
+top-p rows mixed, and prints how many rows drew another token or logprob (and what a nan logit raises).
 
 The suite (tests/test_policy_batching.py) and `make bench` (bench/bench_policy_server.py) run it in the trl
 environment."""
@@ -97,7 +97,8 @@ def run(model, tokenizer, policy_dir: str, episodes: int, max_rows: int, folder:
 def compare_sampling(steps: int = 40) -> dict:
     """The batched sampler against torch.multinomial one row at a time, as the sampler drew before it batched
     (processed_logprobs, then torch.multinomial of their exp with the call's generator), on random logits for
-    two vocabulary sizes: {"rows": compared, "differing": rows whose token or logprob differ}.
+    two vocabulary sizes: {"rows": compared, "differing": rows whose token or logprob differ, "nan_logit": the
+    error a nan logit raises}.
 
     The reference below is the sampler's old per-row code, kept here as what batching must reproduce."""
     import torch
@@ -121,7 +122,14 @@ def compare_sampling(steps: int = 40) -> dict:
                     token = int(torch.multinomial(scores.exp(), 1, generator=reference[row]))
                 compared += 1
                 differing += (call.ids[-1], call.logprobs[-1]) != (token, min(0.0, float(scores[token])))
-    return {"rows": compared, "differing": differing}
+    logits = torch.zeros(len(SAMPLING_CHECK_ROWS), 642)
+    logits[1, 5] = float("nan")  # a sampled row's logit: nothing can be drawn from that row
+    try:
+        sample(sampling_check_calls(), logits)
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    return {"rows": compared, "differing": differing, "nan_logit": refused}
 
 
 def main() -> None:
