@@ -39,6 +39,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,11 +216,10 @@ class _Rowwise:
         self.model = model
         self.forwards: list = []  # (linear, its row-wise forward), made once by choose_linears()
         self.looped: list[str] = []  # linears multiplied one row at a time: this BLAS's bmm rounds them otherwise
-        self.attention_grouped = False  # rows of one length share an attention call: choose_attention()
-        self.attention_reason = "not checked"
+        self.attention_refused = "not checked"  # why rows of one length may not share an attention call; "" if they may
         self.thread: int | None = None
         self.runs: list[tuple[int, int, int]] = []  # (first row, row after the last, keys) of one attention call
-        self.attention_calls = 0
+        self.layers_attended = 0  # in the current forward pass: every layer's attention must come through here
 
     def choose_linears(self, max_rows: int) -> None:
         """Each linear's row-wise forward: one bmm over the rows where, for its weight's shape, that equals
@@ -241,11 +241,8 @@ class _Rowwise:
                 self.looped.append(name)
 
     def choose_attention(self) -> None:
-        """Whether rows of one length may share an attention call: where this machine's SDPA computes a row
-        in a batch of equal-length rows bit for bit as it computes the row alone (random queries and keys in
-        the model's head layout, 2, 3, 4 and 8 rows, 1 to 2049 keys: ATTENTION_CHECK_KEYS)."""
-        self.attention_reason = _attention_batch_invariance(self.model)
-        self.attention_grouped = not self.attention_reason
+        """Rows of one length share an attention call where this machine's SDPA allows it exactly."""
+        self.attention_refused = _attention_batch_invariance(self.model)
 
     def register(self) -> None:
         from transformers import AttentionInterface
@@ -263,12 +260,12 @@ class _Rowwise:
         for module, forward in self.forwards:
             module.forward = forward
         model.config._attn_implementation = self.name
-        if self.attention_grouped:
+        if not self.attention_refused:
             starts = [row for row in range(len(lengths)) if row == 0 or lengths[row] != lengths[row - 1]]
             self.runs = [(start, end, lengths[start]) for start, end in zip(starts, [*starts[1:], len(lengths)])]
         else:
             self.runs = [(row, row + 1, keys) for row, keys in enumerate(lengths)]
-        self.thread, self.attention_calls = threading.get_ident(), 0
+        self.thread, self.layers_attended = threading.get_ident(), 0
         _ACTIVE.append(self)
         try:
             yield
@@ -336,7 +333,7 @@ def _rowwise_attention(module, query, key, value, attention_mask, **kwargs):
     rows = _active_here()
     if rows is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    rows.attention_calls += 1
+    rows.layers_attended += 1
     total = key.shape[2]
     outputs = [sdpa_attention_forward(module, query[start:end], key[start:end, :, total - n:],
                                       value[start:end, :, total - n:], None, **kwargs)[0]
@@ -410,8 +407,9 @@ class BatchingSampler:
         steps = self.stats["decode_steps"]
         return {"mode": self.mode, **({"reason": self.reason} if self.reason else {}), **self.stats,
                 **({"linears_row_by_row": self._rowwise.looped} if self._rowwise.looped else {}),
-                **({"attention": "rows of one length together" if self._rowwise.attention_grouped
-                    else f"one row at a time: {self._rowwise.attention_reason}"} if self.mode == "batched" else {}),
+                **({"attention": f"one row at a time: {self._rowwise.attention_refused}"
+                    if self._rowwise.attention_refused else "rows of one length together"}
+                   if self.mode == "batched" else {}),
                 "model_s": round(self.stats["model_s"], 3),
                 "mean_rows": round(self.stats["rows_decoded"] / steps, 2) if steps else 0.0,
                 "mean_rows_per_attention_call": (round(self.stats["rows_decoded"] / self.stats["attention_calls"], 2)
@@ -554,9 +552,9 @@ class BatchingSampler:
         with self._rowwise.active([call.length + 1 for call in calls]):
             output = self.model(input_ids=torch.tensor([[t] for t in tokens], device=device), position_ids=positions,
                                 past_key_values=cache, use_cache=True)
-            if self._rowwise.attention_calls != self.model.config.num_hidden_layers:
+            if self._rowwise.layers_attended != self.model.config.num_hidden_layers:
                 raise RuntimeError(f"the model's attention did not go through the attention interface "
-                                   f"({self._rowwise.attention_calls} of {self.model.config.num_hidden_layers} layers)")
+                                   f"({self._rowwise.layers_attended} of {self.model.config.num_hidden_layers} layers)")
         for call in calls:
             call.length += 1
         return output
@@ -649,19 +647,34 @@ def sampling_check_calls() -> list[_Call]:
             for row, (temperature, top_p, top_k, greedy) in enumerate(SAMPLING_CHECK_ROWS)]
 
 
-def _sampling_batch_invariance(vocab: int, steps: int = 4) -> str:
-    """Empty when `sample` draws each row of a batch (greedy, temperature, top-k and top-p rows mixed, random
-    logits) as it draws the row alone; else why not."""
+def sampling_differences(vocab: int, steps: int, reference: Callable) -> tuple[int, int]:
+    """(rows compared, rows whose token or logprob differ): `steps` batches of random logits, one row per
+    SAMPLING_CHECK_ROWS entry, sampled together by `sample`, each row against `reference(row, its logits as a
+    [1, vocab] tensor)` -> (token, logprob as recorded)."""
     import torch
 
-    generator = torch.Generator().manual_seed(0)
-    together, alone = sampling_check_calls(), sampling_check_calls()
+    generator = torch.Generator().manual_seed(vocab)
+    calls = sampling_check_calls()
+    compared = differing = 0
     for _ in range(steps):
-        logits = torch.randn(len(together), vocab, generator=generator) * 4
-        sample(together, logits)
-        for row, call in enumerate(alone):
-            sample([call], logits[row:row + 1])
-    if any((a.ids, a.logprobs) != (b.ids, b.logprobs) for a, b in zip(together, alone)):
+        logits = torch.randn(len(calls), vocab, generator=generator) * 4
+        sample(calls, logits)
+        for row, call in enumerate(calls):
+            compared += 1
+            differing += (call.ids[-1], call.logprobs[-1]) != reference(row, logits[row:row + 1])
+    return compared, differing
+
+
+def _sampling_batch_invariance(vocab: int) -> str:
+    """Empty when `sample` draws each row of a batch (greedy, temperature, top-k and top-p rows mixed) as it
+    draws the row alone; else why not."""
+    alone = sampling_check_calls()
+
+    def one(row: int, logits) -> tuple[int, float]:
+        sample([alone[row]], logits)
+        return alone[row].ids[-1], alone[row].logprobs[-1]
+
+    if sampling_differences(vocab, 4, one)[1]:
         return "rows sampled together draw otherwise than each row alone"
     return ""
 

@@ -100,28 +100,16 @@ def compare_sampling(steps: int = 40) -> dict:
     two vocabulary sizes: {"rows": compared, "differing": rows whose token or logprob differ, "nan_logit": the
     error a nan logit raises}.
 
-    The reference below is the sampler's old per-row code, kept here as what batching must reproduce."""
+    The reference is the sampler's old per-row code (_multinomial_one_row_at_a_time), kept as what batching must
+    reproduce."""
     import torch
 
-    from .batching import SAMPLING_CHECK_ROWS, processed_logprobs, sample, sampling_check_calls
+    from .batching import SAMPLING_CHECK_ROWS, sample, sampling_check_calls, sampling_differences
 
-    generator = torch.Generator().manual_seed(1)
     compared = differing = 0
-    for vocab, vocab_steps in ((642, steps), (151_936, 4)):
-        calls = sampling_check_calls()
-        reference = [torch.Generator().manual_seed(row) for row in range(len(calls))]
-        for _ in range(vocab_steps):
-            logits = torch.randn(len(calls), vocab, generator=generator) * 4
-            sample(calls, logits)
-            for row, (call, (temperature, top_p, top_k, greedy)) in enumerate(zip(calls, SAMPLING_CHECK_ROWS)):
-                if greedy:
-                    scores = torch.log_softmax(logits[row], dim=-1)
-                    token = int(torch.argmax(scores))
-                else:
-                    scores = processed_logprobs(logits[row], temperature, top_p, top_k)
-                    token = int(torch.multinomial(scores.exp(), 1, generator=reference[row]))
-                compared += 1
-                differing += (call.ids[-1], call.logprobs[-1]) != (token, min(0.0, float(scores[token])))
+    for vocab, steps_here in ((642, steps), (151_936, 4)):
+        rows, differ = sampling_differences(vocab, steps_here, _multinomial_one_row_at_a_time())
+        compared, differing = compared + rows, differing + differ
     logits = torch.zeros(len(SAMPLING_CHECK_ROWS), 642)
     logits[1, 5] = float("nan")  # a sampled row's logit: nothing can be drawn from that row
     try:
@@ -130,6 +118,28 @@ def compare_sampling(steps: int = 40) -> dict:
     except RuntimeError as error:
         refused = str(error)
     return {"rows": compared, "differing": differing, "nan_logit": refused}
+
+
+def _multinomial_one_row_at_a_time():
+    """The sampler's per-row draw before it batched, one seeded generator per SAMPLING_CHECK_ROWS row, as a
+    reference for sampling_differences."""
+    import torch
+
+    from .batching import SAMPLING_CHECK_ROWS, processed_logprobs
+
+    generators = [torch.Generator().manual_seed(row) for row in range(len(SAMPLING_CHECK_ROWS))]
+
+    def draw(row: int, logits) -> tuple[int, float]:
+        temperature, top_p, top_k, greedy = SAMPLING_CHECK_ROWS[row]
+        if greedy:
+            scores = torch.log_softmax(logits[0], dim=-1)
+            token = int(torch.argmax(scores))
+        else:
+            scores = processed_logprobs(logits[0], temperature, top_p, top_k)
+            token = int(torch.multinomial(scores.exp(), 1, generator=generators[row]))
+        return token, min(0.0, float(scores[token]))
+
+    return draw
 
 
 def main() -> None:
