@@ -57,6 +57,34 @@ def test_a_logprob_that_is_not_finite_fails_agreement_and_is_left_out_of_the_mis
     assert gates["trace:mask-provenance"].passed
 
 
+def test_each_bad_segment_of_a_trajectory_is_named(episodes):
+    """Ids over the vocabulary, a policy segment without one logprob a token and an environment segment with
+    logprobs: each is named by its episode and segment; the other trajectories' figures are unchanged."""
+    trajectories, rows = episodes
+    segments = list(trajectories[1].segments)
+    segments[1] = msgspec.structs.replace(segments[1], token_ids=[10, 150, 170], logprobs=[-0.5, -0.25])
+    segments[2] = msgspec.structs.replace(segments[2], logprobs=[-1.0, -1.0, -1.0])
+    trajectories[1] = msgspec.structs.replace(trajectories[1], segments=segments)
+    gates, a = audit(trajectories, rows)
+    problems = a.problems["lengths-vocab"]
+    episode = trajectories[1].episode_id
+    assert problems == [f"{episode} segment 1: ids [150, 170] >= vocab 100",
+                        f"{episode} segment 1: 3 tokens but 2 logprobs",
+                        f"{episode} segment 2: tool segment carries logprobs"]
+    assert not gates["trace:lengths-vocab"].passed and gates["trace:lengths-vocab"].measured == 3
+    assert a.counts["episodes"] == 4 and a.counts["policy_tokens"] == 17
+
+
+def test_the_trainer_logprobs_paired_with_the_sampler_are_those_of_the_policy_positions():
+    from qualification.gates.trace import _policy_values
+
+    values = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+    for provenance, expected in [(b"\x00" * 6, []), (b"\x00\x00\x01\x01\x01\x01", [0.2, 0.3, 0.4, 0.5]),
+                                 (b"\x00\x01\x01\x00\x00\x00", [0.1, 0.2]),
+                                 (b"\x01\x00\x01\x01\x00\x01", [0.0, 0.2, 0.3, 0.5]), (b"\x01" * 6, values)]:
+        assert _policy_values(values, provenance) == expected, provenance
+
+
 def test_incomplete_group_and_untrained_episode_fail(episodes):
     trajectories, rows = episodes
     gates, _ = audit(trajectories[:3], rows[:3])

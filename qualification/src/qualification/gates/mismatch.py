@@ -25,7 +25,7 @@ from runner_contracts import GateResult
 BAND_LOG = math.log(2.0)  # ratios in [0.5, 2] are |d| <= ln 2; compared in log space, so r = exp(ln 2) counts as 2
 
 
-FLUSH_TOKENS = 1 << 16  # pairs that wait before numpy reduces them (2 x 512 KB of doubles)
+FLUSH_TOKENS = 1 << 14  # pairs that wait before numpy reduces them: 2 x 128 KB of doubles, whose temporaries stay in cache
 DOUBLE = struct.calcsize("d")  # bytes a packed logprob takes
 
 
@@ -46,22 +46,21 @@ class _Figures:
     outside: int = 0
     sum_mult: float = 0.0
 
-    def add(self, sequences, pick=slice(None)) -> None:
-        """Adds the sequences `pick` selects from `_Sequences` (numpy arrays, one entry per sequence)."""
-        self.tokens += int(sequences.tokens[pick].sum())
-        self.sequences += int(sequences.tokens[pick].size)
-        self.sum_abs += float(sequences.sum_abs[pick].sum())
-        self.max_abs = max(self.max_abs, float(sequences.max_abs[pick].max()))
-        self.sum_neg_d -= float(sequences.sum_d[pick].sum())
-        self.sum_k3 += float(sequences.sum_k3[pick].sum())
-        self.sum_chi2 += float(sequences.sum_chi2[pick].sum())
-        self.sum_chi2_sequence += float(sequences.chi2_sequence[pick].sum())
-        self.sum_r += float(sequences.sum_r[pick].sum())
-        self.sum_r2 += float(sequences.sum_r2[pick].sum())
-        self.min_r = min(self.min_r, float(sequences.min_r[pick].min()))
-        self.max_r = max(self.max_r, float(sequences.max_r[pick].max()))
-        self.outside += int(sequences.outside[pick].sum())
-        self.sum_mult += float(sequences.sum_mult[pick].sum())
+    @classmethod
+    def of(cls, d, tokens) -> _Figures:
+        """The figures of sequences whose pairs' differences d = log p_train - log p_sample lie one after another
+        in `d` (finite), `tokens` pairs each (numpy arrays). Totals over all pairs; only chi-square per sequence
+        needs a sequence's own sum."""
+        import numpy as np
+
+        abs_d, r = np.abs(d), np.exp(d)
+        r_minus_1 = r - 1.0
+        sum_d = np.add.reduceat(d, np.cumsum(tokens) - tokens)
+        return cls(tokens=int(d.size), sequences=int(tokens.size), sum_abs=float(abs_d.sum()),
+                   max_abs=float(abs_d.max()), sum_neg_d=-float(sum_d.sum()), sum_k3=float((r_minus_1 - d).sum()),
+                   sum_chi2=float((r_minus_1 * r_minus_1).sum()), sum_chi2_sequence=float((np.expm1(sum_d) ** 2).sum()),
+                   sum_r=float(r.sum()), sum_r2=float((r * r).sum()), min_r=float(r.min()), max_r=float(r.max()),
+                   outside=int(np.count_nonzero(abs_d > BAND_LOG + 1e-12)), sum_mult=float(np.exp(abs_d).sum()))
 
     def merge(self, other: _Figures) -> None:
         for name in (f.name for f in fields(self)):
@@ -84,31 +83,6 @@ class _Figures:
             "token_mult_prob_error": self.sum_mult / n,
             "perplexity_ratio": math.exp(k1),
         }
-
-
-class _Sequences:
-    """Each waiting sequence's sums over its tokens, each per-token term as the module docstring writes it,
-    reduced with numpy over all waiting pairs at once."""
-
-    def __init__(self, steps: array, lengths: array, trainer: bytearray, sampler: bytearray):
-        import numpy as np
-
-        self.steps = np.frombuffer(steps, dtype=np.int64)
-        self.tokens = np.frombuffer(lengths, dtype=np.int64)
-        d = np.frombuffer(trainer, dtype=np.float64) - np.frombuffer(sampler, dtype=np.float64)
-        starts = np.concatenate(([0], np.cumsum(self.tokens)[:-1]))
-        self.finite = np.logical_and.reduceat(np.isfinite(d), starts)  # a sequence's figures count only if true
-        abs_d, r = np.abs(d), np.exp(d)
-        r_minus_1 = r - 1.0
-        self.sum_abs, self.max_abs = np.add.reduceat(abs_d, starts), np.maximum.reduceat(abs_d, starts)
-        self.sum_d = np.add.reduceat(d, starts)
-        self.sum_k3 = np.add.reduceat(r_minus_1 - d, starts)
-        self.sum_chi2 = np.add.reduceat(r_minus_1 * r_minus_1, starts)
-        self.chi2_sequence = np.expm1(self.sum_d) ** 2
-        self.sum_r, self.sum_r2 = np.add.reduceat(r, starts), np.add.reduceat(r * r, starts)
-        self.min_r, self.max_r = np.minimum.reduceat(r, starts), np.maximum.reduceat(r, starts)
-        self.outside = np.add.reduceat((abs_d > BAND_LOG + 1e-12).astype(np.int64), starts)
-        self.sum_mult = np.add.reduceat(np.exp(abs_d), starts)
 
 
 def _nothing_waiting() -> tuple[array, array, bytearray, bytearray]:
@@ -155,22 +129,27 @@ class MismatchPanel:
             return
         import numpy as np
 
-        with np.errstate(all="ignore"):  # a sequence that is not finite gives nan/inf sums, never read
-            sequences = _Sequences(*self._waiting)
+        steps, tokens, trainer, sampler = self._waiting
         self._waiting = _nothing_waiting()
-        finite = sequences.finite
-        left_out = int(finite.size - np.count_nonzero(finite))
-        self.not_finite += left_out
-        if left_out == finite.size:
-            return
-        self.overall.add(sequences, slice(None) if not left_out else finite)
-        for step in np.unique(sequences.steps).tolist():
-            pick = sequences.steps == step
-            if left_out:
-                pick &= finite
-                if not pick.any():
-                    continue
-            self.steps[step].add(sequences, pick)
+        steps, tokens = np.frombuffer(steps, dtype=np.int64), np.frombuffer(tokens, dtype=np.int64)
+        with np.errstate(all="ignore"):  # a sequence that is not finite is left out below, its figures unread
+            d = np.frombuffer(trainer, dtype=np.float64) - np.frombuffer(sampler, dtype=np.float64)
+            finite = np.isfinite(d)
+            if not finite.all():
+                finite = np.logical_and.reduceat(finite, np.cumsum(tokens) - tokens)
+                self.not_finite += int(finite.size - np.count_nonzero(finite))
+                d, steps, tokens = d[np.repeat(finite, tokens)], steps[finite], tokens[finite]
+                if not steps.size:
+                    return
+            if steps[0] == steps[-1] and (steps == steps[0]).all():
+                by_step = [(int(steps[0]), d, tokens)]
+            else:
+                token_steps = np.repeat(steps, tokens)
+                by_step = [(step, d[token_steps == step], tokens[steps == step]) for step in np.unique(steps).tolist()]
+            for step, step_d, step_tokens in by_step:
+                figures = _Figures.of(step_d, step_tokens)
+                self.steps[step].merge(figures)
+                self.overall.merge(figures)
 
     def merge(self, other: MismatchPanel) -> None:
         """Adds the pairs another panel holds (an audit done in parts), reduced first on both sides."""

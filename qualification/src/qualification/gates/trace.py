@@ -24,7 +24,7 @@ import multiprocessing
 import os
 import struct
 from array import array
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, compress, islice
@@ -39,6 +39,7 @@ from .mismatch import DOUBLE, MismatchPanel
 from .scratch import ScratchDatabase, SeenIds, map_in_order
 
 MAX_EXAMPLES = 3
+COUNTED = ("episodes", "policy_tokens", "episodes_with_tool_calls", "trained_tokens", "logprob_pairs")
 POLICY, OTHER = b"\x01", b"\x00"
 _ENVIRONMENT_SOURCES = frozenset(("tool", "env"))
 WINDOW_TOKENS = 1 << 18  # tokens of the episodes kept in memory for the rows that name them (~10 MB at most)
@@ -47,16 +48,16 @@ PART_BYTES = 8 << 20  # of trajectories.jsonl per part
 MAX_WORKERS = 8
 
 
-class _Episode:
+class _Episode(msgspec.Struct, gc=False):  # a Struct: built in C, one for every trajectory read
     """What a training row is checked against: the episode's tokens, provenance (one byte a token, 1 for the
     policy's) and policy logprobs (packed doubles, as the mismatch panel takes them), and whether a row
     trained it."""
 
-    __slots__ = ("tokens", "provenance", "logprobs", "trained", "stored")
-
-    def __init__(self, tokens: list[int], provenance: bytes, logprobs: bytes, trained: bool = False):
-        self.tokens, self.provenance, self.logprobs, self.trained = tokens, provenance, logprobs, trained
-        self.stored = False  # in the SQLite file, whose trained flag follows this one
+    tokens: list[int]
+    provenance: bytes
+    logprobs: bytes
+    trained: bool = False
+    stored: bool = False  # in the SQLite file, whose trained flag follows this one
 
 
 class _Spilled:
@@ -200,7 +201,7 @@ class TraceAudit:
     group_size: int
     tolerance: float
     problems: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    counts: Counter = field(default_factory=Counter)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTED, 0))  # and problem:<check>
     step_rewards: dict[int, list[float]] = field(default_factory=dict)  # step -> [sum, count]
     max_logprob_gap: float = 0.0
     mismatch: MismatchPanel = field(default_factory=MismatchPanel)
@@ -219,7 +220,8 @@ class TraceAudit:
     _left_rows: list[bytes] | None = field(default=None, repr=False)  # in a part: rows it cannot check
 
     def _problem(self, check: str, message: str) -> None:
-        self.counts[f"problem:{check}"] += 1
+        key = f"problem:{check}"
+        self.counts[key] = self.counts.get(key, 0) + 1
         if len(self.problems[check]) < MAX_EXAMPLES:
             self.problems[check].append(message)
 
@@ -290,7 +292,8 @@ class TraceAudit:
 
     def _merge(self, part: _Part) -> None:
         """Adds what a part found; its untrained episodes wait for the rows other parts could not check."""
-        self.counts.update(part.counts)
+        for key, count in part.counts.items():
+            self.counts[key] = self.counts.get(key, 0) + count
         for check, examples in part.problems.items():
             kept = self.problems[check]
             kept += examples[:MAX_EXAMPLES - len(kept)]
@@ -402,32 +405,28 @@ class TraceAudit:
     def _episode(self, t: Trajectory, *, first_read: bool = True) -> _Episode:
         """Checks one trajectory and counts it (both only on the first read)."""
         tokens: list[int] = []
-        policy_logprobs = bytearray()
-        is_policy = bytearray()
+        provenance, policy_logprobs = [], []
         tool_segments = policy_tokens = 0
-        vocab_size = self.vocab_size
-        for index, segment in enumerate(t.segments):
+        wrong = False  # some segment's logprobs are not one per policy token, or not a policy segment's
+        for segment in t.segments:
             ids, logprobs = segment.token_ids, segment.logprobs
-            if ids and max(ids) >= vocab_size:
-                bad = [i for i in ids if i >= vocab_size]
-                self._episode_problem(t, first_read, f"segment {index}: ids {bad[:3]} >= vocab {vocab_size}")
+            tokens += ids
             if segment.source == "policy":
                 if logprobs is not None and len(logprobs) == len(ids):
-                    policy_logprobs += struct.pack(f"{len(logprobs)}d", *logprobs)
+                    policy_logprobs.append(struct.pack(f"{len(ids)}d", *logprobs))
                 else:
-                    self._episode_problem(t, first_read, f"segment {index}: {len(ids)} tokens but "
-                                                         f"{None if logprobs is None else len(logprobs)} logprobs")
+                    wrong = True
                 policy_tokens += len(ids)
-                is_policy += POLICY * len(ids)
+                provenance.append(POLICY * len(ids))
             else:
-                if logprobs is not None:
-                    self._episode_problem(t, first_read, f"segment {index}: {segment.source} segment carries logprobs")
+                wrong = wrong or logprobs is not None
                 tool_segments += segment.source in _ENVIRONMENT_SOURCES
-                is_policy += OTHER * len(ids)
-            tokens += ids
-        if first_read and not policy_tokens:
-            self._problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
+                provenance.append(OTHER * len(ids))
         if first_read:
+            if wrong or (tokens and max(tokens) >= self.vocab_size):
+                self._segment_problems(t)
+            if not policy_tokens:
+                self._problem("lengths-vocab", f"{t.episode_id}: no policy tokens")
             counts = self.counts
             counts["episodes"] += 1
             counts["policy_tokens"] += policy_tokens
@@ -437,12 +436,21 @@ class TraceAudit:
                 step = self.step_rewards[t.step] = [0.0, 0]
             step[0] += t.reward
             step[1] += 1
-        return _Episode(tokens, bytes(is_policy), bytes(policy_logprobs))
+        return _Episode(tokens, b"".join(provenance), b"".join(policy_logprobs))
 
-    def _episode_problem(self, t: Trajectory, first_read: bool, message: str) -> None:
-        """A trajectory's problem, reported on its first read only."""
-        if first_read:
-            self._problem("lengths-vocab", f"{t.episode_id} {message}")
+    def _segment_problems(self, t: Trajectory) -> None:
+        """Names each segment's ids over the vocabulary and its logprobs that are not one per policy token."""
+        for index, segment in enumerate(t.segments):
+            ids, logprobs, vocab_size = segment.token_ids, segment.logprobs, self.vocab_size
+            if ids and max(ids) >= vocab_size:
+                bad = [i for i in ids if i >= vocab_size]
+                self._problem("lengths-vocab", f"{t.episode_id} segment {index}: ids {bad[:3]} >= vocab {vocab_size}")
+            if segment.source == "policy" and (logprobs is None or len(logprobs) != len(ids)):
+                self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {len(ids)} tokens but "
+                                               f"{None if logprobs is None else len(logprobs)} logprobs")
+            elif segment.source != "policy" and logprobs is not None:
+                self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {segment.source} segment carries "
+                                               "logprobs")
 
     def _second_read(self, trajectories: Callable[[], Iterable[Trajectory]]) -> None:
         """Checks the rows put off, against the episodes they name that are neither in the window nor on disk
@@ -470,10 +478,13 @@ class TraceAudit:
             missing = [e for e, found in zip(row.episode_ids, episodes, strict=True) if found is None]
             self._problem("every-episode-trained", f"row {row.row_id} names unknown episode(s) {missing[:3]}")
             return
-        self._trained(row, episodes)
         if len(episodes) == 1:
-            tokens, provenance, sampled_logprobs = episodes[0].tokens, episodes[0].provenance, episodes[0].logprobs
+            episode = episodes[0]
+            if not episode.trained:
+                self._trained(row, episodes)
+            tokens, provenance, sampled_logprobs = episode.tokens, episode.provenance, episode.logprobs
         else:
+            self._trained(row, episodes)
             tokens = [token for episode in episodes for token in episode.tokens]
             provenance = b"".join(episode.provenance for episode in episodes)
             sampled_logprobs = b"".join(episode.logprobs for episode in episodes)
@@ -481,7 +492,8 @@ class TraceAudit:
             self._problem("mask-provenance", f"row {row.row_id}: input_ids differ from the episode's segment "
                                              f"tokens (first difference at {_first_difference(row.input_ids, tokens)})")
             return
-        if _mask_bytes(row.loss_mask) == provenance:
+        mask_is_provenance = _mask_bytes(row.loss_mask) == provenance
+        if mask_is_provenance:
             # input_ids are the segment tokens and the mask is their provenance, so the trained tokens are
             # the sampled policy tokens, in order: count them
             trained_count = provenance.count(POLICY)
@@ -501,7 +513,8 @@ class TraceAudit:
         if row.old_logprobs is not None:
             sampled_count = len(sampled_logprobs) // DOUBLE
             self.counts["logprob_pairs"] += min(trained_count, sampled_count)
-            recomputed = compress(row.old_logprobs, row.loss_mask)  # one per trained token
+            recomputed = (_policy_values(row.old_logprobs, provenance) if mask_is_provenance  # one per trained token
+                          else compress(row.old_logprobs, row.loss_mask))
             if trained_count == sampled_count:  # the panel keeps max |trainer - sampler|: the gap, read in gates()
                 self.mismatch.add_packed(row.step, struct.pack(f"{trained_count}d", *recomputed), sampled_logprobs)
             else:
@@ -510,7 +523,7 @@ class TraceAudit:
                 self.max_logprob_gap = max(self.max_logprob_gap, max(gaps, default=0.0))
 
     def _result(self, name: str, check: str, *, measured=None, threshold=None, detail_ok: str = "") -> GateResult:
-        problems = self.counts[f"problem:{check}"]
+        problems = self.counts.get(f"problem:{check}", 0)
         detail = "; ".join(self.problems[check]) + (f" (+{problems - MAX_EXAMPLES} more)"
                                                      if problems > MAX_EXAMPLES else "")
         return GateResult(name=name, passed=problems == 0, measured=measured if measured is not None else problems,
@@ -599,7 +612,7 @@ class TraceAudit:
 class _Part:
     """What the audit of one part found, for the parent to merge (pickled from a worker process)."""
 
-    counts: Counter
+    counts: dict[str, int]
     problems: dict[str, list[str]]
     step_rewards: dict[int, list[float]]
     revisions: dict[tuple[int, str], list]
@@ -667,6 +680,20 @@ def _first_difference(a: list[int], b: list[int]) -> int:
         if x != y:
             return index
     return min(len(a), len(b))
+
+
+def _policy_values(values: list[float], provenance: bytes) -> list[float]:
+    """The values at the policy's positions: a slice when they are one run (a completion), which costs a
+    fraction of compress() over every position."""
+    start = provenance.find(POLICY)
+    if start == -1:
+        return []
+    end = provenance.find(OTHER, start)
+    if end == -1:
+        return values[start:]
+    if provenance.find(POLICY, end) == -1:
+        return values[start:end]
+    return list(compress(values, provenance))
 
 
 def _mask_bytes(mask: list[int]) -> bytes:
