@@ -440,17 +440,17 @@ class TraceAudit:
 
     def _segment_problems(self, t: Trajectory) -> None:
         """Names each segment's ids over the vocabulary and its logprobs that are not one per policy token."""
+        vocab_size = self.vocab_size
         for index, segment in enumerate(t.segments):
-            ids, logprobs, vocab_size = segment.token_ids, segment.logprobs, self.vocab_size
+            ids, logprobs, where = segment.token_ids, segment.logprobs, f"{t.episode_id} segment {index}"
             if ids and max(ids) >= vocab_size:
                 bad = [i for i in ids if i >= vocab_size]
-                self._problem("lengths-vocab", f"{t.episode_id} segment {index}: ids {bad[:3]} >= vocab {vocab_size}")
+                self._problem("lengths-vocab", f"{where}: ids {bad[:3]} >= vocab {vocab_size}")
             if segment.source == "policy" and (logprobs is None or len(logprobs) != len(ids)):
-                self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {len(ids)} tokens but "
+                self._problem("lengths-vocab", f"{where}: {len(ids)} tokens but "
                                                f"{None if logprobs is None else len(logprobs)} logprobs")
             elif segment.source != "policy" and logprobs is not None:
-                self._problem("lengths-vocab", f"{t.episode_id} segment {index}: {segment.source} segment carries "
-                                               "logprobs")
+                self._problem("lengths-vocab", f"{where}: {segment.source} segment carries logprobs")
 
     def _second_read(self, trajectories: Callable[[], Iterable[Trajectory]]) -> None:
         """Checks the rows put off, against the episodes they name that are neither in the window nor on disk
@@ -478,13 +478,10 @@ class TraceAudit:
             missing = [e for e, found in zip(row.episode_ids, episodes, strict=True) if found is None]
             self._problem("every-episode-trained", f"row {row.row_id} names unknown episode(s) {missing[:3]}")
             return
+        self._trained(row, episodes)
         if len(episodes) == 1:
-            episode = episodes[0]
-            if not episode.trained:
-                self._trained(row, episodes)
-            tokens, provenance, sampled_logprobs = episode.tokens, episode.provenance, episode.logprobs
+            tokens, provenance, sampled_logprobs = episodes[0].tokens, episodes[0].provenance, episodes[0].logprobs
         else:
-            self._trained(row, episodes)
             tokens = [token for episode in episodes for token in episode.tokens]
             provenance = b"".join(episode.provenance for episode in episodes)
             sampled_logprobs = b"".join(episode.logprobs for episode in episodes)
