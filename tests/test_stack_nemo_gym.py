@@ -3,7 +3,7 @@ task families as NeMo Gym resources servers, episodes through the stock simple_a
 subclass, against a scripted policy.
 
 Slow: the first run builds the environment (~1.5 min, 1.4 GB; cached under RUNNER_CACHE_DIR afterwards);
-each test starts NeMo Gym server processes (~3 s of CPU each).
+each test starts NeMo Gym server processes (~4 s of CPU each; the harness servers are forks of one).
 """
 
 from __future__ import annotations
@@ -53,26 +53,34 @@ args = json.loads(sys.stdin.read())
 episodes = [msgspec.convert(spec, EpisodeSpec) for spec in args["episodes"]]
 backend = NemoGymBackend({episode.family for episode in episodes})
 backend.start()
-backend.warm_up()  # as the rollout service does
-standbys = [process.pid for process, _ in backend._standbys]
+fork_server = backend._prefork[0].pid
+def children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as handle:
+        return [int(child) for child in handle.read().split()]
+def cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+        return handle.read().decode()
 try:
     policy = PolicyEndpoint(base_url=args["base_url"], model="scripted-policy",
                             sampling=msgspec.convert(args["sampling"], SamplingSpec))
     with ThreadPoolExecutor(4) as pool:
         for result in pool.map(lambda episode: backend.run_episode(episode, policy), episodes):
             print(json.dumps(msgspec.to_builtins(result)), flush=True)
-    harness = [s.process.pid for s in backend._servers.values() if s.kind != "resources"]
-    replacements = [process.pid for process, _ in backend._standbys]
+    launchers = [s.process.pid for s in backend._servers.values() if s.kind != "resources"]
+    resources = [s.process.pid for s in backend._servers.values() if s.kind == "resources"]
+    forks = children(fork_server)
+    same_program = [cmdline(pid) == cmdline(fork_server) for pid in forks]
 finally:
     backend.stop()
-def exists(pid):
+def exists(pid):  # a zombie waiting for init to reap it is gone
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
-print(json.dumps({"standbys": standbys, "harness": harness, "replacements": replacements,
-                  "alive_after_stop": [p for p in standbys + harness + replacements if exists(p)]}))
+everything = [fork_server, *launchers, *resources, *forks]
+print(json.dumps({"launchers": launchers, "forks": forks, "same_program": same_program, "resources": resources,
+                  "alive_after_stop": [p for p in everything if exists(p)]}))
 """
 
 
@@ -87,12 +95,12 @@ def test_scripted_episodes_score_as_the_reference(env):
         calls = list(policy.calls)
     *lines, processes = run.stdout.splitlines()
     processes = json.loads(processes)
-    # The first model server and agent are the two standbys warm_up() started (NeMo Gym imported before
-    # the policy's address was known), each replaced by a new standby for the next stage's; the other
-    # families' agents start cold; stop() ends them all.
-    assert len(processes["standbys"]) == 2 and len(processes["harness"]) > 2, processes
-    assert set(processes["standbys"]) < set(processes["harness"]), processes
-    assert len(processes["replacements"]) == 2 and not set(processes["replacements"]) & set(processes["harness"])
+    # Each model server and agent is a fork of the fork server that imported NeMo Gym at start (a child
+    # running the fork server's own program, not a new interpreter), one per launcher; the resources
+    # servers, the environment, are processes of their own. stop() ends them all.
+    assert len(processes["launchers"]) > 2 and len(processes["forks"]) == len(processes["launchers"]), processes
+    assert all(processes["same_program"]), processes
+    assert processes["resources"] and not set(processes["resources"]) & set(processes["forks"]), processes
     assert processes["alive_after_stop"] == []
     # Every call names its episode twice (header X-Episode-ID, which the policy server reads first, and
     # body metadata.episode_id), and carries the family's tools exactly as openai_tools renders them.

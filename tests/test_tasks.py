@@ -223,3 +223,32 @@ def test_a_family_that_misses_part_of_the_interface_is_refused_by_name(tmp_path)
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "task family 'echo' (echo_tasks:Echo) lacks scripted_cases" in " ".join(result.stderr.split())
+
+
+FIRST_LOAD_RACE = r"""
+import importlib.metadata, json, threading
+from qualification.tasks import get_family
+
+calls, real = [], importlib.metadata.entry_points
+def counted(**kwargs):
+    calls.append(kwargs)
+    return real(**kwargs)
+importlib.metadata.entry_points = counted
+start, got = threading.Barrier(16), []
+def episode():
+    start.wait()
+    got.append(get_family("calc-tool"))
+threads = [threading.Thread(target=episode) for _ in range(16)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(json.dumps({"instances": len({id(family) for family in got}), "lookups": len(calls)}))
+"""
+
+
+def test_episode_threads_asking_for_a_family_at_once_share_one_load():
+    # A batch's episode threads all ask for their family when it starts: the first one loads it, the others
+    # get that same instance rather than each reading the entry points and building their own.
+    run = subprocess.run([sys.executable, "-c", FIRST_LOAD_RACE], capture_output=True, text=True, check=True)
+    assert json.loads(run.stdout) == {"instances": 1, "lookups": 1}

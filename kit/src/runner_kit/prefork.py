@@ -34,7 +34,7 @@ import traceback
 import types
 from pathlib import Path
 
-from runner_kit.processes import die_with_parent
+from runner_kit.processes import die_with_parent, spawn
 
 log = logging.getLogger("runner_kit.prefork")
 
@@ -92,9 +92,8 @@ def write_launcher(directory: Path, socket_path: str, python: str = sys.executab
 
 
 def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> tuple[subprocess.Popen, Path] | None:
-    """Starts the program's fork server (a child of this process; start it from a thread that lives as long
-    as the server should: it dies with that thread) and writes its launcher under `directory`; None when
-    turned off (RUNNER_PREFORK=0).
+    """Starts the program's fork server (a child of this process that dies with it, from whichever thread)
+    and writes its launcher under `directory`; None when turned off (RUNNER_PREFORK=0).
 
     The server listens on an abstract Unix socket (no file, so no 108-byte path limit under a deep run
     directory) and serves only connections from its own uid (SO_PEERCRED), as a 0600 socket file would."""
@@ -103,8 +102,8 @@ def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> tup
     directory.mkdir(parents=True, exist_ok=True)
     name = f"runner-prefork-{os.getpid()}-{secrets.token_hex(8)}"
     launcher = write_launcher(directory, "\0" + name)
-    process = subprocess.Popen([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), str(script),
-                                *warm_modules], stdin=subprocess.DEVNULL)
+    process = spawn([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), str(script), *warm_modules],
+                    stdin=subprocess.DEVNULL)
     return process, launcher
 
 

@@ -9,9 +9,11 @@ and build a venv per server from PyPI):
   Completions path);
 - a stock `simple_agent` per (family, policy, max_turns): its `max_steps` is a server setting.
 
-The model server and the agent wait for the first episode (they need the policy's address and max_turns);
-two standby processes that have already imported NeMo Gym become them (`warm_up`; each used one is
-replaced in the background), so a stage's first batch does not wait ~4 s for two cold imports.
+The model server and the agent wait for the first episode that needs them (they need the policy's address and
+max_turns; each stage's trainer serves the policy at a new address, so each stage starts its own). They are
+forks of a fork server that imported NeMo Gym once at start (runner_kit.prefork): a stage's first batch
+neither waits for two cold imports (~4 s of CPU each) nor shares the two cores with them. The resources
+servers, the environment the host kills and restarts, are plain processes of their own.
 
 Servers find each other the way NeMo Gym's launcher wires them: each process gets the global config dict
 in NEMO_GYM_CONFIG_DICT and its own instance name in NEMO_GYM_CONFIG_PATH; ServerClient resolves names to
@@ -42,12 +44,23 @@ from qualification.tasks import NativeFamily, TaskItem, get_family, opening_mess
 from runner_contracts import EpisodeResult, EpisodeSpec, NativeAsset, ToolCallRecord
 from runner_kit.native import load_asset
 from runner_kit.policy import openai_tools
-from runner_kit.processes import HOST, free_port, spawn
+from runner_kit.prefork import start_prefork
+from runner_kit.processes import HOST, free_port, kill_tree, spawn
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
 READY_TIMEOUT_S = 90.0
-STANDBY_KINDS = ("model", "agent")  # the harness servers the first episode starts, one standby each
 EPISODE_TIMEOUT_S = 900.0
+HARNESS_KINDS = ("model", "agent")  # forked from the fork server
+# The harness servers' program: what `python -m runner_stack_nemo_gym.servers KIND` runs, as a script the
+# fork server can run in its children (imported there once, so a child runs only these lines).
+HARNESS_SCRIPT = """import sys
+
+from runner_stack_nemo_gym.servers import main
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])
+"""
+HARNESS_MODULES = ["runner_stack_nemo_gym.servers", "responses_api_agents.simple_agent.app"]
 
 
 def responses_tools(family_name: str) -> list[dict[str, Any]]:
@@ -96,8 +109,7 @@ class NemoGymBackend(RolloutBackend):
         self._servers: dict[str, Server] = {}
         self._workdir: Path | None = None
         self._head_port = 0
-        self._standbys: list[tuple[subprocess.Popen, Path]] = []  # (process, its log)
-        self._standbys_started = 0
+        self._prefork: tuple[subprocess.Popen, Path] | None = None  # the fork server and its launcher
 
     # --- lifecycle -----------------------------------------------------------------------------------
 
@@ -112,35 +124,21 @@ class NemoGymBackend(RolloutBackend):
                 self._workdir = Path(tempfile.mkdtemp(prefix="nemo-gym-"))
                 # ServerClient validates a head-server entry; nothing listens there (no head server runs).
                 self._head_port = free_port()
+                script = self._workdir / "harness_server.py"
+                script.write_text(HARNESS_SCRIPT)
+                self._prefork = start_prefork(self._workdir / "prefork", script, HARNESS_MODULES)
         self._bring_up([self._resources_server(family) for family in self.families])
-
-    def warm_up(self) -> None:
-        """Starts the standbys (each imports NeMo Gym and waits on stdin to be told which server it is)."""
-        with self._lock:
-            if not self._standbys:
-                for _ in STANDBY_KINDS:
-                    self._add_standby()
-
-    def _add_standby(self) -> None:
-        with self._lock:
-            if self._workdir is None:  # stopped
-                return
-            self._standbys_started += 1
-            path = self._workdir / f"standby-{self._standbys_started}.log"
-            with open(path, "ab") as log:
-                process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", "standby"],
-                                cwd=self._workdir, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
-            self._standbys.append((process, path))
 
     def stop(self) -> None:
         with self._lock:
             servers = list(self._servers.values())
             self._servers.clear()
-            unused, self._standbys = self._standbys, []
-            workdir, self._workdir = self._workdir, None  # no standby starts from here on
-        processes = [server.process for server in servers if server.process is not None] + [p for p, _ in unused]
-        for process, _ in unused:
-            process.stdin.close()  # EOF: the standby exits
+            workdir, self._workdir = self._workdir, None
+            prefork, self._prefork = self._prefork, None
+        if prefork is not None:  # the fork server with the harness servers forked from it
+            kill_tree(prefork[0].pid)
+            prefork[0].wait()
+        processes = [server.process for server in servers if server.process is not None]
         for process in processes:
             if process.poll() is None:
                 process.terminate()
@@ -223,38 +221,20 @@ class NemoGymBackend(RolloutBackend):
             peers += [self._servers[server.settings["resources_server"]["name"]],
                       self._servers[server.settings["model_server"]["name"]]]
         config = {"NEMO_GYM_CONFIG_DICT": json.dumps(self._config_for(*peers)), "NEMO_GYM_CONFIG_PATH": server.name}
-        process = self._standby_as(server, config)
-        if process is None:
-            with open(self._workdir / f"{server.name}.log", "ab") as log:
-                process = spawn([sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind,
-                                 *([server.server_class] if server.server_class else [])], cwd=self._workdir,
-                                env={**os.environ, **config}, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT)
+        if server.kind in HARNESS_KINDS:
+            # The fork server's launcher (when it runs; the plain interpreter otherwise) stands for the server:
+            # it exits with the server's status, and the server dies when it is killed.
+            interpreter = str(self._prefork[1]) if self._prefork else sys.executable
+            command = [interpreter, str(self._workdir / "harness_server.py"), server.kind]
+        else:
+            command = [sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind,
+                       *([server.server_class] if server.server_class else [])]
+        with open(self._workdir / f"{server.name}.log", "ab") as log:
+            process = spawn(command, cwd=self._workdir, env={**os.environ, **config}, stdin=subprocess.DEVNULL,
+                            stdout=log, stderr=subprocess.STDOUT)
         with self._lock:
             server.process = process
             server.generation += 1
-
-    def _standby_as(self, server: Server, config: dict[str, str]) -> subprocess.Popen | None:
-        """A live standby told to become `server` (its log renamed after it), for the first start of a model
-        server or agent; None otherwise. A new standby replaces it in the background: each stage's trainer
-        serves the policy at a new address, so each stage starts a model server and an agent of its own."""
-        if server.kind not in STANDBY_KINDS or server.generation:
-            return None
-        with self._lock:
-            while self._standbys:
-                standby, log = self._standbys.pop(0)
-                try:
-                    standby.stdin.write(json.dumps({"argv": [server.kind, server.server_class], "env": config})
-                                        .encode() + b"\n")
-                    standby.stdin.close()
-                except OSError:  # it died: try the next one
-                    standby.wait()
-                    continue
-                with contextlib.suppress(OSError):
-                    log.rename(self._workdir / f"{server.name}.log")
-                threading.Thread(target=self._add_standby, name="standby", daemon=True).start()
-                return standby
-        return None
 
     def _wait_ready(self, server: Server) -> None:
         process = server.process

@@ -1,8 +1,8 @@
 """The NeMo Gym servers this stack runs: a resources server per task family and a vllm_model server that
 names the episode on every upstream call. Each runs as its own process (`python -m
-runner_stack_nemo_gym.servers <kind>`) through NeMo Gym's own `run_webserver()`, which reads the injected
-global config (NEMO_GYM_CONFIG_DICT) and its instance name (NEMO_GYM_CONFIG_PATH). A standby process
-(`... servers standby`) imports all of it first (~3 s of CPU) and is told on stdin which server to become.
+runner_stack_nemo_gym.servers <kind>`, or `main(kind)` in a fork of a process that imported this module)
+through NeMo Gym's own `run_webserver()`, which reads the injected global config (NEMO_GYM_CONFIG_DICT) and its
+instance name (NEMO_GYM_CONFIG_PATH).
 
 Resources server: /seed_session builds the episode's world (family.initial_state) under the session
 cookie; every family tool is a POST route answering family.call_tool's text as text/plain (a JSON body
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextvars
 import json
-import os
 import sys
 from typing import Any
 
@@ -247,22 +246,5 @@ def main(kind: str, server_class: str | None = None) -> None:
         raise SystemExit(f"unknown server kind {kind!r}: resources | model | agent")
 
 
-def standby() -> None:
-    """Imports every server kind, then becomes the server one JSON line on stdin names: {"argv": [kind,
-    server class or null], "env": {NEMO_GYM_CONFIG_DICT, NEMO_GYM_CONFIG_PATH}}. NeMo Gym reads its global
-    config on first use, not at import, so the config may come after the imports. EOF: exits unused."""
-    from responses_api_agents.simple_agent.app import SimpleAgent  # noqa: F401 - the import is the point
-
-    line = sys.stdin.readline()
-    if not line:
-        return
-    order = json.loads(line)
-    os.environ.update(order["env"])
-    main(*[arg for arg in order["argv"] if arg])
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == ["standby"]:
-        standby()
-    else:
-        main(*sys.argv[1:3])
+    main(*sys.argv[1:3])
