@@ -288,7 +288,10 @@ class ServiceHandle:
 
 
 def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the adapter's process group (one we started, in its own session)."""
+    """SIGKILL the job's process group (one we started, in its own session) and everything below its process
+    in other groups: Apptainer runs squashfuse_ll, which holds the container's SIF mount, in a session of its
+    own, so killing the group alone leaves it running, orphaned, with the mount."""
+    kill_trees([process.pid])
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
