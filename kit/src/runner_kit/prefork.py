@@ -34,7 +34,7 @@ import traceback
 import types
 from pathlib import Path
 
-from runner_kit.processes import die_with_parent, spawn
+from runner_kit.processes import die_with_parent, kill_tree, spawn
 
 log = logging.getLogger("runner_kit.prefork")
 
@@ -105,6 +105,13 @@ def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> tup
     process = spawn([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), str(script), *warm_modules],
                     stdin=subprocess.DEVNULL)
     return process, launcher
+
+
+def stop_prefork(process: subprocess.Popen) -> None:
+    """Ends a fork server and the programs it forked, and waits: killed alone, its children would outlive it
+    until the kernel's death signal reached them."""
+    kill_tree(process.pid)
+    process.wait()
 
 
 def _warm(script: str, warm_modules: list[str]) -> types.CodeType:

@@ -43,7 +43,7 @@ from typing import Any
 from qualification.tasks import NativeFamily, Score, TaskItem, ToolCall, Transcript, get_family
 from runner_contracts import CapturedCall, EpisodeResult, EpisodeSpec, NativeAsset, ToolCallRecord
 from runner_kit.native import load_asset
-from runner_kit.prefork import OPENAI_MODULES, start_prefork
+from runner_kit.prefork import OPENAI_MODULES, start_prefork, stop_prefork
 from runner_kit.processes import ServerProcess, bind_loopback, spawn
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
@@ -172,8 +172,7 @@ class LightningBackend(RolloutBackend):
             self.gateway.stop()
             for prefork in self._preforks.values():
                 if prefork is not None:
-                    prefork[0].kill()
-                    prefork[0].wait()
+                    stop_prefork(prefork[0])
                     shutil.rmtree(prefork[1].parent.parent, ignore_errors=True)
             self._preforks.clear()
 

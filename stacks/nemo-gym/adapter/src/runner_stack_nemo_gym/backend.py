@@ -44,8 +44,8 @@ from qualification.tasks import NativeFamily, TaskItem, get_family, opening_mess
 from runner_contracts import EpisodeResult, EpisodeSpec, NativeAsset, ToolCallRecord
 from runner_kit.native import load_asset
 from runner_kit.policy import openai_tools
-from runner_kit.prefork import start_prefork
-from runner_kit.processes import HOST, free_port, kill_tree, spawn
+from runner_kit.prefork import start_prefork, stop_prefork
+from runner_kit.processes import HOST, free_port, spawn
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
 READY_TIMEOUT_S = 90.0
@@ -136,8 +136,7 @@ class NemoGymBackend(RolloutBackend):
             workdir, self._workdir = self._workdir, None
             prefork, self._prefork = self._prefork, None
         if prefork is not None:  # the fork server with the harness servers forked from it
-            kill_tree(prefork[0].pid)
-            prefork[0].wait()
+            stop_prefork(prefork[0])
         processes = [server.process for server in servers if server.process is not None]
         for process in processes:
             if process.poll() is None:
