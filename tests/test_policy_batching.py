@@ -43,6 +43,9 @@ def test_concurrent_episodes_sampled_batched_equal_one_at_a_time_bit_for_bit(trl
     assert found["differing"] == [], found["differing"]
     assert found["tokens"] > 96 * 3  # the calls decoded more than a token or two each
     assert found["alone"]["mode"] == "one at a time" and found["alone"]["decode_steps"] == 0
+    # On CPU both ways compute with one intra-op thread, and the caller (the trainer) keeps its own count.
+    assert found["alone"]["intra_op_threads"] == found["batched"]["intra_op_threads"] == 1, found
+    assert found["caller_threads"]["after"] == found["caller_threads"]["before"], found["caller_threads"]
     batched = found["batched"]
     assert batched["mode"] == "batched" and "reason" not in batched, batched
     # Calls really shared decode steps: greedy, top-k and top-p calls side by side in one forward pass.
@@ -62,8 +65,9 @@ def test_concurrent_episodes_sampled_batched_equal_one_at_a_time_bit_for_bit(trl
 
 def test_the_row_by_row_fallbacks_in_batched_steps_are_exact_too(trl_and_policy):
     """The fallbacks for a weight shape whose batched matmul rounds otherwise on this machine's BLAS (MKL's
-    batched kernel on AVX-512 does, for the tiny policy's 642 x 128 lm_head) and for an SDPA that computes a row
-    otherwise in a batch: forced, every linear multiplied and every row attended one row at a time."""
+    batched kernel on AVX-512 did at two intra-op threads, for the tiny policy's 642 x 128 lm_head) and for an
+    SDPA that computes a row otherwise in a batch: forced, every linear multiplied and every row attended one row
+    at a time."""
     found = sample_both_ways(trl_and_policy, "sdpa", 8, "--fallbacks")
     assert found["same_calls"] and found["differing"] == [], found["differing"]
     batched = found["batched"]

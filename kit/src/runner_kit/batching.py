@@ -10,8 +10,8 @@ batch. Two things make the shared forward pass exact:
   a row alone is what one-at-a-time sampling multiplies. One batched matmul of one-row matrices against the
   weight (`torch.baddbmm` over a stride-0 view, no copy) does that for every row in one call, at a fraction
   of the cost of a Python loop over the rows, where it equals F.linear row by row bit for bit. That depends
-  on the BLAS and the CPU (on one AVX2 machine every weight up to 4864 x 896 did; on an AVX-512 one MKL's
-  batched kernel rounds a 642 x 128 lm_head otherwise), so each weight shape is checked on this machine at
+  on the BLAS and the CPU (on one AVX2 machine every weight up to 4864 x 896 did; on an AVX-512 one, at two
+  intra-op threads, MKL's batched kernel rounds a 642 x 128 lm_head otherwise), so each weight shape is checked on this machine at
   start, for 2 to 8, 16, 32 and 64 rows, and a shape that fails is multiplied one row at a time (F.linear
   per row: the very call one-at-a-time sampling makes);
 - attention runs over each row's own keys (the batched cache is left-padded, and the padding never enters a
@@ -24,6 +24,11 @@ sampling: each call draws its noise from its own generator, and the arithmetic a
 all rows at once (`sample`). Each sampler checks all this on its model before it batches: three prompts
 decoded together (two of one length) must give the logits they give alone, bit for bit, or it samples one
 call at a time and says why.
+
+On CPU the sampler computes with one intra-op thread (CPU_THREADS), batched or not, so a call's tokens do not
+depend on the machine's core count either (a BLAS splits a product otherwise across 1 and 2 threads: MKL's
+one-row lm_head product on an AVX-512 machine does). On a small model the OpenMP fork and join around every op
+costs more than a second thread gives, and the environment stack's processes need the other cores.
 
 A call whose prompt the batcher prefilled a moment ago (another sample of the same group) starts from a
 copy of that prefill: a prefill is a function of the prompt's ids and the weights alone, so the copy is
@@ -44,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_ROWS = 64  # calls decoded together; more wait for a free row
+CPU_THREADS = 1  # intra-op threads of the sampler's forward passes and sampling when the model is on CPU
 SHARED_PREFILL_TOKENS = 32_768  # prompt tokens whose prefills are kept for the same prompt's other calls
 
 
@@ -112,6 +118,23 @@ def _processed(logits, greedy: bool, temperature: float, top_p: float, top_k: in
     if top_p >= 1.0 and not 0 < top_k < logits.shape[-1]:
         return torch.log_softmax(logits / temperature, dim=-1)
     return torch.stack([processed_logprobs(row, temperature, top_p, top_k) for row in logits])
+
+
+@contextlib.contextmanager
+def _intra_op_threads(count: int):
+    """The calling thread runs torch ops with `count` intra-op threads meanwhile. torch.set_num_threads sets the
+    calling thread's OpenMP and MKL counts; threads that already ran a parallel op (the trainer's) keep theirs."""
+    import torch
+
+    before = torch.get_num_threads()
+    if count == before:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass
@@ -387,7 +410,10 @@ class BatchingSampler:
     decode steps and the rows they carried (the evidence reports them)."""
 
     def __init__(self, model, eos_ids: set[int], *, max_rows: int = MAX_ROWS):
+        import torch
+
         self.model, self.eos_ids, self.max_rows = model, eos_ids, max_rows
+        self.threads = CPU_THREADS if model.device.type == "cpu" else torch.get_num_threads()
         self.stats = {"calls": 0, "decode_steps": 0, "rows_decoded": 0, "max_rows": 0, "prefills_shared": 0,
                       "attention_calls": 0, "model_s": 0.0}  # attention_calls: per layer, in decode steps
         self._rowwise = _Rowwise(model)
@@ -397,7 +423,8 @@ class BatchingSampler:
         self._stats_lock = threading.Lock()
         self.mode, self.reason = "one at a time", "max_rows is 1"
         if max_rows > 1:
-            self.reason = self._check()
+            with _intra_op_threads(self.threads):
+                self.reason = self._check()
             self.mode = "batched" if not self.reason else "one at a time"
         self._thread = threading.Thread(target=self._run, name="policy-batcher", daemon=True)
         if self.mode == "batched":
@@ -406,6 +433,7 @@ class BatchingSampler:
     def evidence(self) -> dict[str, Any]:
         steps = self.stats["decode_steps"]
         return {"mode": self.mode, **({"reason": self.reason} if self.reason else {}), **self.stats,
+                "intra_op_threads": self.threads,
                 **({"linears_row_by_row": self._rowwise.looped} if self._rowwise.looped else {}),
                 **({"attention": f"one row at a time: {self._rowwise.attention_refused}"
                     if self._rowwise.attention_refused else "rows of one length together"}
@@ -428,7 +456,7 @@ class BatchingSampler:
             self._queue.put(call)
             call.done.wait()
         else:
-            with self._lock, self._inference():
+            with self._lock, _intra_op_threads(self.threads), self._inference():
                 started = time.monotonic()
                 self._alone(call)
                 self.stats["model_s"] += time.monotonic() - started
@@ -483,7 +511,7 @@ class BatchingSampler:
                         call.end(None, RuntimeError("the policy server closed during the call"))
                 return
             started = time.monotonic()
-            with self._inference():
+            with _intra_op_threads(self.threads), self._inference():
                 admitted = []
                 if waiting:
                     self._shared.check_weights()

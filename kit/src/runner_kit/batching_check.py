@@ -165,8 +165,11 @@ def main() -> None:
 
         batching._bmm_equals_rows = lambda module, counts, generator: False
         batching._attention_batch_invariance = lambda model: "forced by --fallbacks"
+    import torch
+
     tokenizer = AutoTokenizer.from_pretrained(args.policy_dir)
     model = AutoModelForCausalLM.from_pretrained(args.policy_dir, attn_implementation=args.attention)
+    threads_before = torch.get_num_threads()  # the trainer's count, which the sampler must leave as it was
     with tempfile.TemporaryDirectory() as folder:
         alone, alone_evidence, alone_s = run(model, tokenizer, args.policy_dir, args.episodes, 1, folder)
         batched, batched_evidence, batched_s = run(model, tokenizer, args.policy_dir, args.episodes, 64, folder)
@@ -175,6 +178,7 @@ def main() -> None:
         "calls": len(alone), "same_calls": sorted(alone) == sorted(batched),
         "differing": sorted(k for k in alone if k in batched and any(alone[k][f] != batched[k][f] for f in keys)),
         "tokens": sum(len(c["completion_ids"]) for c in alone.values()),
+        "caller_threads": {"before": threads_before, "after": torch.get_num_threads()},
         "alone": {**alone_evidence, "seconds": round(alone_s, 3)},
         "batched": {**batched_evidence, "seconds": round(batched_s, 3)},
     }))
