@@ -161,6 +161,67 @@ def test_policy_calls_need_an_episode_and_every_channel_works():
             (None, 0), ("ep/1", 0), ("ep/1", 1), ("ep/1", 2)]
 
 
+def _policy_call(index: int) -> PolicyCall:
+    return PolicyCall(call_id=f"ep/1#{index}", episode_id="ep/1", channel="header", endpoint="chat",
+                      index_in_episode=index, policy_revision="r", prompt_ids=[1, 2], completion_ids=[3],
+                      logprobs=[-0.5], finish_reason="stop")
+
+
+def test_the_policy_call_log_writes_in_call_order_without_holding_a_reply_on_the_disk(tmp_path, monkeypatch):
+    """The policy server's call log: a call is queued at once while an earlier batch is still being written
+    (its flush held here on an event, as a slow disk would hold it), the file keeps call order, close()
+    finalises it or, for a failed stage, leaves it marked partial."""
+    from runner_kit.policy_server import _CallLog
+
+    log = _CallLog(tmp_path / "calls.jsonl")
+    writer, flushing, release = log._writer, threading.Event(), threading.Event()
+    real_flush = writer.flush
+
+    def slow_flush() -> None:
+        flushing.set()
+        assert release.wait(30)
+        real_flush()
+
+    monkeypatch.setattr(writer, "flush", slow_flush)
+    log.write(_policy_call(0))
+    assert flushing.wait(30)  # the writer thread is inside a flush that cannot finish yet
+    for index in range(1, 5):
+        log.write(_policy_call(index))  # returns although the disk holds the writer
+    release.set()
+    log.close()
+    lines = (tmp_path / "calls.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index_in_episode"] for line in lines] == [0, 1, 2, 3, 4]
+    assert not (tmp_path / "calls.jsonl.partial").exists()
+
+    failed = _CallLog(tmp_path / "failed.jsonl")
+    failed.write(_policy_call(0))
+    failed.close(ok=False)
+    kept = (tmp_path / "failed.jsonl.partial").read_text().splitlines()
+    assert [json.loads(line)["index_in_episode"] for line in kept] == [0]
+    assert not (tmp_path / "failed.jsonl").exists()
+
+
+def test_a_policy_call_log_that_cannot_be_written_fails_the_next_call_and_the_close(tmp_path, monkeypatch):
+    """A full disk under the call log: the calls after it are refused with the cause, close() says so too, and
+    the file stays marked partial."""
+    from runner_kit.policy_server import _CallLog
+
+    log = _CallLog(tmp_path / "calls.jsonl")
+
+    def full_disk() -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(log._writer, "flush", full_disk)
+    log.write(_policy_call(0))
+    log._thread.join(30)  # the writer thread ends on the error
+    assert not log._thread.is_alive()
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        log.write(_policy_call(1))
+    with pytest.raises(RuntimeError, match="policy call log cannot be written"):
+        log.close()
+    assert (tmp_path / "calls.jsonl.partial").exists() and not (tmp_path / "calls.jsonl").exists()
+
+
 def test_tool_call_parsing_keeps_malformed_calls_as_text():
     content, calls = parse_tool_calls('<tool_call>\n{"name": "rechner", "arguments": {"ausdruck": "1 + 2"}}\n</tool_call>')
     assert content == "" and calls[0]["function"]["name"] == "rechner"

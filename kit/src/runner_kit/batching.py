@@ -11,9 +11,9 @@ batch. Two things make the shared forward pass exact:
   weight (`torch.baddbmm` over a stride-0 view, no copy) does that for every row in one call, at a fraction
   of the cost of a Python loop over the rows, where it equals F.linear row by row bit for bit. That depends
   on the BLAS and the CPU (on one AVX2 machine every weight up to 4864 x 896 did; on an AVX-512 one, at two
-  intra-op threads, MKL's batched kernel rounds a 642 x 128 lm_head otherwise), so each weight shape is checked on this machine at
-  start, for 2 to 8, 16, 32 and 64 rows, and a shape that fails is multiplied one row at a time (F.linear
-  per row: the very call one-at-a-time sampling makes);
+  intra-op threads, MKL's batched kernel rounds a 642 x 128 lm_head otherwise), so each weight shape is
+  checked on this machine at start, for 2 to 8, 16, 32 and 64 rows, and a shape that fails is multiplied one
+  row at a time (F.linear per row: the very call one-at-a-time sampling makes);
 - attention runs over each row's own keys (the batched cache is left-padded, and the padding never enters a
   reduction), one SDPA call for each run of rows of one length (a group's samples of one prompt stay in step)
   where this machine's SDPA computes a row in such a batch as it computes it alone (checked at start for

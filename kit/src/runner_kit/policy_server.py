@@ -15,7 +15,9 @@ Concurrent calls share decode steps (batching.py), bit-identical to sampling eac
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -72,6 +74,54 @@ class CallHold:
                 "waited_s": self.waited_s}
 
 
+class _CallLog:
+    """Writes policy calls to their JSONL file from a thread of its own, each batch of waiting records written,
+    flushed and fsynced at once: a call's reply does not wait for the disk. (Written by the handler under the
+    server's lock, every call's fsync, and the GIL taken back after it, held up the other calls: 5.5 s of lock
+    waits over 400 calls of a 3 s train-stage batch on 2 cores.)"""
+
+    def __init__(self, path: Path):
+        self._writer = JsonlWriter(path)
+        self._queue: queue.SimpleQueue[PolicyCall | None] = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="policy-call-log", daemon=True)
+        self._thread.start()
+
+    def write(self, record: PolicyCall) -> None:
+        """Queues `record` (in call order: the caller holds the server's lock); raises if writing has failed."""
+        if self._failed is not None:
+            raise RuntimeError(f"the policy call log cannot be written: {self._failed}") from self._failed
+        self._queue.put(record)
+
+    def close(self, ok: bool = True) -> None:
+        """Writes what is queued, then finalises the file (ok) or leaves it marked partial."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._failed is None:
+            self._writer.close() if ok else self._writer.abandon()
+            return
+        with contextlib.suppress(OSError):  # what did reach the file stays, marked partial
+            self._writer.abandon()
+        raise RuntimeError(f"the policy call log cannot be written: {self._failed}") from self._failed
+
+    def _run(self) -> None:
+        while True:
+            batch = [self._queue.get()]
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    batch.append(self._queue.get_nowait())
+            try:
+                for record in batch:
+                    if record is not None:
+                        self._writer.write(record)
+                self._writer.flush()
+            except OSError as error:  # a full or failing disk: the next call and close() say so
+                self._failed = error
+                return
+            if None in batch:
+                return
+
+
 def call_seed(base_seed: int, episode_id: str, index: int) -> int:
     digest = hashlib.sha256(f"{base_seed}\0{episode_id}\0{index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -100,7 +150,7 @@ class PolicyServer:
         self.hold = hold
         self.sampler = BatchingSampler(model, {tokenizer.eos_token_id} | ({tokenizer.pad_token_id} - {None}),
                                        max_rows=max_rows)
-        self._writer = JsonlWriter(calls_path)
+        self._log_file = _CallLog(calls_path)
         self._log_lock = threading.Lock()
         self._episodes: dict[str, _EpisodeHistory] = {}
         self._calls: dict[tuple[str | None, int], list[PolicyCall]] = {}  # (episode, attempt) -> calls in order
@@ -118,7 +168,7 @@ class PolicyServer:
     def close(self, ok: bool = True) -> None:
         self._server.stop()
         self.sampler.close()
-        self._writer.close() if ok else self._writer.abandon()
+        self._log_file.close(ok)
 
     def calls_of(self, episode_id: str, attempt: int = 1) -> list[PolicyCall]:
         """The calls of one attempt at an episode, in order."""
@@ -153,8 +203,7 @@ class PolicyServer:
     def _log(self, record: PolicyCall) -> None:
         with self._log_lock:
             self._calls.setdefault((record.episode_id, record.attempt), []).append(record)
-            self._writer.write(record)
-            self._writer.flush()
+            self._log_file.write(record)
 
     def _next_call(self, episode: str) -> tuple[_EpisodeHistory, int]:
         """The episode's history and the index of its call being made (counted now)."""
