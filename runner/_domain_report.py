@@ -5,16 +5,18 @@ their intervals, base against trained, from each run's evidence only."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-from rich.table import Table
 
 from runner_contracts import DomainPlan, Evidence
 
 from ._errors import UserError
 from ._html import CSS, SCRIPT, _e, comparison_table, gate_details, gate_markdown, gate_matrix, line_chart
 from ._secrets import write_redacted
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 SYNTHETIC = ("The data is synthetic: made locally by the stack's own recipe (stage service, metrics.data), never "
              "downloaded; its figures qualify the machinery and the native protocol, not a model for real materials "
@@ -78,6 +80,8 @@ def native_rows(data: dict[str, Any]) -> list[list[str]]:
 
 def native_table(data: dict[str, Any]) -> Table:
     """The terminal's table of a domain run's native metrics."""
+    from rich.table import Table
+
     table = Table(title=f"native metrics on the held-out split ({'synthetic data' if data.get('synthetic') else 'data'})")
     for column in ("metric", "base [CI]", "trained [CI]", "trained - base [CI]", "verdict"):
         table.add_column(column)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from rich.markup import escape
-from rich.table import Table
 
 from qualification.gates import pooled_evaluation
 from runner_contracts import AnyPlan, DomainPlan, Evidence, Plan, read_record
@@ -19,6 +18,9 @@ from ._html import gate_markdown, measured_cell
 from ._html import render as render_html
 from ._secrets import write_redacted
 from ._stages import STAGES, TRIAL_STAGES, trial_dir
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 STATUS_STYLE = {"passed": "green", "failed": "red", "error": "red", "skipped": "dim"}
 
@@ -54,6 +56,8 @@ def _short(value: Any) -> str:
 
 
 def gate_table(evidence: list[Evidence], title: str) -> Table:
+    from rich.table import Table
+
     table = Table(title=title, show_lines=False)
     table.add_column("stage")
     table.add_column("status")
