@@ -78,7 +78,7 @@ class _CallLog:
     """Writes policy calls to their JSONL file from a thread of its own, each batch of waiting records written,
     flushed and fsynced at once: a call's reply does not wait for the disk. (Written by the handler under the
     server's lock, every call's fsync, and the GIL taken back after it, held up the other calls: 5.5 s of lock
-    waits over 400 calls of a 3 s train-stage batch on 2 cores.)"""
+    waits over 400 calls of a train stage whose rollouts took ~3 s in all, on 2 cores.)"""
 
     def __init__(self, path: Path):
         self._writer = JsonlWriter(path)
