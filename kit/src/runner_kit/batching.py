@@ -127,9 +127,6 @@ def _intra_op_threads(count: int):
     import torch
 
     before = torch.get_num_threads()
-    if count == before:
-        yield
-        return
     torch.set_num_threads(count)
     try:
         yield

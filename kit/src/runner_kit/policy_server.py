@@ -89,8 +89,7 @@ class _CallLog:
 
     def write(self, record: PolicyCall) -> None:
         """Queues `record` (in call order: the caller holds the server's lock); raises if writing has failed."""
-        if self._failed is not None:
-            raise RuntimeError(f"the policy call log cannot be written: {self._failed}") from self._failed
+        self._raise_if_failed()
         self._queue.put(record)
 
     def close(self, ok: bool = True) -> None:
@@ -102,7 +101,11 @@ class _CallLog:
             return
         with contextlib.suppress(OSError):  # what did reach the file stays, marked partial
             self._writer.abandon()
-        raise RuntimeError(f"the policy call log cannot be written: {self._failed}") from self._failed
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"the policy call log cannot be written: {self._failed}") from self._failed
 
     def _run(self) -> None:
         while True:
