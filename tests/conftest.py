@@ -141,6 +141,15 @@ def wait_until(predicate, what: str, timeout_s: float = 600, poll_s: float = 0.1
 HERMES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}"
 
 
+def self_signed_certificate(folder: Path, name: str) -> tuple[Path, Path]:
+    """(certificate, key) of a fresh self-signed EC certificate for 127.0.0.1, made by the openssl CLI."""
+    certificate, key = folder / f"{name}.pem", folder / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-days", "2", "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(certificate)], check=True, capture_output=True)
+    return certificate, key
+
+
 def stand_in_checkpoint(folder: Path, weights: bytes = b"weights are only hashed by the host") -> Path:
     """A checkpoint folder that passes the host's checks (config, weights, tokenizer, a Hermes chat template)
     for tests whose jobs never load it (stand-in: no real model is built or downloaded here)."""

@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import gone, stand_in_checkpoint, wait_until
+from conftest import gone, self_signed_certificate, stand_in_checkpoint, wait_until
 from runner_contracts import StageRequest, StageResult, read_record
 from test_contracts import PLAN
 
@@ -103,6 +104,8 @@ def run(request):
         return StageResult(stage="probe", capabilities=["cpu"], environment=EnvironmentInfo(
             engine="", python=platform.python_version(), packages=packages))
     Path("env.json").write_text(json.dumps(dict(os.environ)))
+    if os.path.isdir(os.environ.get("SSL_CERT_DIR", "")):
+        Path("certificates.json").write_text(json.dumps(sorted(os.listdir(os.environ["SSL_CERT_DIR"]))))
     return StageResult(stage=request.stage, metrics={"cwd": os.getcwd()})
 '''
 
@@ -168,7 +171,15 @@ def test_changed_lock_gets_a_new_environment_key(stack, engine, tmp_path):
 
 
 def test_adapter_runs_in_its_folder_with_a_scrubbed_environment(stack, engine, tmp_path, monkeypatch):
+    """Host variables stay out; the host's CA bundle comes in as a hashed directory the sandboxed job can read,
+    though it lies under /tmp, which the sandbox replaces with the job's own."""
     monkeypatch.setenv("SECRET_TOKEN", "do-not-leak")
+    if shutil.which("openssl"):
+        bundle = self_signed_certificate(tmp_path, "host-ca")[0]
+        monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+        monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    else:
+        print("no openssl CLI: the job gets SSL_CERT_FILE as the host gives it, and that is not checked here")
     env = engine.prepare(stack)
     out = tmp_path / "echo"
     outcome = engine.run(env, request("echo", out), timeout_s=60)
@@ -178,6 +189,11 @@ def test_adapter_runs_in_its_folder_with_a_scrubbed_environment(stack, engine, t
     seen = json.loads((out / "env.json").read_text())
     assert "SECRET_TOKEN" not in seen
     assert seen["HF_HUB_OFFLINE"] == "1" and seen["HOME"].startswith(str(out))
+    if shutil.which("openssl"):
+        assert "SSL_CERT_FILE" not in seen
+        assert Path(seen["SSL_CERT_DIR"]).parent == tmp_path / "cache" / "ca-certificates"
+        listed = json.loads((out / "certificates.json").read_text())
+        assert "0000.pem" in listed and any(name.endswith(".0") for name in listed)
 
 
 def test_adapter_failure_becomes_a_result_with_error(stack, engine, tmp_path):

@@ -103,7 +103,8 @@ class ContainerEngine:
     def _create(self, env: StackEnvironment, request: StageRequest, *, peer: Any) -> Any:
         out_dir, request_path = write_request(request)
         run_dir = run_dir_of(out_dir)
-        environment = scrubbed_env(STACK_PREFIX / "bin", out_dir / ".home", request.plan, env.manifest.name)
+        environment = scrubbed_env(STACK_PREFIX / "bin", out_dir / ".home", request.plan, env.manifest.name,
+                                   host_paths=False)
         environment = {key: value for key, value in environment.items() if not key.startswith("PIP_")}
         user = _container_user()
         if os.geteuid() == 0:

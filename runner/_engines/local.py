@@ -157,7 +157,7 @@ class LocalEngine:
         `kill_when()`. With `peer` (the arm's rollout service) the job joins its network namespace."""
         out_dir, request_path = write_request(request)
         environment = scrubbed_env(env.path / "bin", out_dir / ".home", request.plan, env.manifest.name)
-        cmd = self._sandboxed(env, request, out_dir, request_path, peer)
+        cmd = self._sandboxed(env, request, out_dir, request_path, environment, peer)
         return run_process(cmd, out_dir, environment, timeout_s=timeout_s, kill_when=kill_when,
                            preexec=self.sandbox.preexec)
 
@@ -166,15 +166,18 @@ class LocalEngine:
         """Starts the adapter's long-running `serve` job in the sandbox and waits for its service.json."""
         out_dir, request_path = write_request(request)
         environment = scrubbed_env(env.path / "bin", out_dir / ".home", request.plan, env.manifest.name)
-        return start_process_service(self._sandboxed(env, request, out_dir, request_path), out_dir, environment,
+        return start_process_service(self._sandboxed(env, request, out_dir, request_path, environment), out_dir,
+                                     environment,
                                      what=f"{env.manifest.name} rollout service", ready_timeout_s=ready_timeout_s,
                                      preexec=self.sandbox.preexec)
 
     def _sandboxed(self, env: StackEnvironment, request: StageRequest, out_dir: Path, request_path: Path,
-                   peer: ServiceHandle | None = None) -> list[str]:
+                   environment: dict[str, str], peer: ServiceHandle | None = None) -> list[str]:
         run_dir = run_dir_of(out_dir)
+        certificates = environment.get("SSL_CERT_DIR", "")  # may lie under /tmp, which the sandbox hides
+        certificates = [Path(certificates)] if os.path.isdir(certificates) else []
         return self.sandbox.command(
             [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)],
             run_dir=run_dir, cwd=out_dir, tmp=out_dir / ".home" / "tmp",
-            read_only=[env.path, *read_only_inputs(request, env.manifest.name, outside=run_dir)],
+            read_only=[env.path, *certificates, *read_only_inputs(request, env.manifest.name, outside=run_dir)],
             peer_pid=peer.process.pid if peer is not None else None, host_network=self.host_network)
