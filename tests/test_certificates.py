@@ -82,6 +82,12 @@ def test_the_bundle_is_passed_as_given_when_no_directory_can_be_made(bundle, tmp
     empty.write_text("no certificates in here\n")
     monkeypatch.setenv("SSL_CERT_FILE", str(empty))
     assert certificate_env() == {"SSL_CERT_FILE": str(empty)}
+    monkeypatch.setenv("SSL_CERT_FILE", str(path))
+    not_a_folder = tmp_path / "not-a-folder"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(not_a_folder / "runner"))  # the cache cannot be written
+    certificates._hashed_copy.cache_clear()
+    assert certificate_env() == {"SSL_CERT_FILE": str(path)}
     monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "missing.crt"))
     assert certificate_env() == {"SSL_CERT_FILE": str(tmp_path / "missing.crt")}
 

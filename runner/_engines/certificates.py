@@ -9,6 +9,7 @@ certificates, split one per file and named by `openssl rehash`, built once per b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -60,8 +61,11 @@ def _hashed_copy(bundle: str, mtime_ns: int, size: int) -> Path | None:
     folder = cache_dir() / "ca-certificates" / hashlib.sha256(data).hexdigest()[:16]
     if (folder / _COMPLETE).exists():
         return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=".building-", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        building = Path(tempfile.mkdtemp(prefix=".building-", dir=folder.parent))
+    except OSError:  # a read-only cache: the job reads the bundle itself
+        return None
     try:
         for index, certificate in enumerate(certificates):
             (building / f"{index:04d}.pem").write_bytes(certificate + b"\n")
@@ -69,11 +73,11 @@ def _hashed_copy(bundle: str, mtime_ns: int, size: int) -> Path | None:
         if rehash.returncode != 0 or not _is_hashed(building):
             return None
         (building / _COMPLETE).touch()
-        try:
+        with contextlib.suppress(OSError):  # another run built it first
             building.rename(folder)
-        except OSError:  # another run built it first
-            pass
         return folder if (folder / _COMPLETE).exists() else None
+    except OSError:
+        return None
     finally:
         shutil.rmtree(building, ignore_errors=True)
 
