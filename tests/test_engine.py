@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import ssl
 import subprocess
 import sys
 import textwrap
@@ -194,6 +195,23 @@ def test_adapter_runs_in_its_folder_with_a_scrubbed_environment(stack, engine, t
         assert Path(seen["SSL_CERT_DIR"]).parent == tmp_path / "cache" / "ca-certificates"
         listed = json.loads((out / "certificates.json").read_text())
         assert "0000.pem" in listed and any(name.endswith(".0") for name in listed)
+
+
+def test_a_job_runs_where_the_host_names_no_certificates(stack, engine, tmp_path, monkeypatch):
+    """Without SSL_CERT_FILE or SSL_CERT_DIR the job gets OpenSSL's default directory when it is hashed (a
+    symlink, /usr/lib/ssl/certs -> /etc/ssl/certs, on Debian and Ubuntu), which it reads where it is."""
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    out = tmp_path / "echo"
+    outcome = engine.run(engine.prepare(stack), request("echo", out), timeout_s=60)
+    assert outcome.ok, outcome.stderr.read_text()[-2000:]
+    seen = json.loads((out / "env.json").read_text())
+    assert "SSL_CERT_FILE" not in seen
+    default = ssl.get_default_verify_paths().openssl_capath
+    if seen.get("SSL_CERT_DIR"):
+        assert seen["SSL_CERT_DIR"] == default and json.loads((out / "certificates.json").read_text())
+    else:
+        print(f"OpenSSL's default directory {default} holds no hashed certificates here: the job gets none")
 
 
 def test_adapter_failure_becomes_a_result_with_error(stack, engine, tmp_path):

@@ -174,8 +174,9 @@ class LocalEngine:
     def _sandboxed(self, env: StackEnvironment, request: StageRequest, out_dir: Path, request_path: Path,
                    environment: dict[str, str], peer: ServiceHandle | None = None) -> list[str]:
         run_dir = run_dir_of(out_dir)
-        certificates = environment.get("SSL_CERT_DIR", "")  # may lie under /tmp, which the sandbox hides
-        certificates = [Path(certificates)] if os.path.isdir(certificates) else []
+        # the hashed CA directory is in the sandbox's view of / unless it lies under /tmp, which the job's own replaces
+        certificates = Path(environment.get("SSL_CERT_DIR", "/"))
+        certificates = [certificates] if certificates.is_relative_to("/tmp") and certificates.is_dir() else []
         return self.sandbox.command(
             [str(env.python), "-m", "runner_contracts.launch", env.manifest.adapter, str(request_path)],
             run_dir=run_dir, cwd=out_dir, tmp=out_dir / ".home" / "tmp",
