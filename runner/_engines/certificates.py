@@ -24,7 +24,6 @@ from .._paths import cache_dir
 
 _PEM = re.compile(rb"-----BEGIN (TRUSTED )?CERTIFICATE-----.+?-----END \1?CERTIFICATE-----", re.S)
 _HASHED_NAME = re.compile(r"[0-9a-f]{8}\.\d+")
-_COMPLETE = ".complete"
 
 
 def certificate_env() -> dict[str, str]:
@@ -59,27 +58,23 @@ def _hashed_copy(bundle: str, mtime_ns: int, size: int) -> Path | None:
     if openssl is None or not certificates:
         return None
     folder = cache_dir() / "ca-certificates" / hashlib.sha256(data).hexdigest()[:16]
-    if (folder / _COMPLETE).exists():
+    if folder.is_dir():  # renamed into place whole
         return folder
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        building = Path(tempfile.mkdtemp(prefix=".building-", dir=folder.parent))
-    except OSError:  # a read-only cache: the job reads the bundle itself
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=folder.parent) as scratch:
+            out = Path(scratch) / "out"
+            out.mkdir()
+            for index, certificate in enumerate(certificates):
+                (out / f"{index:04d}.pem").write_bytes(certificate + b"\n")
+            rehash = subprocess.run([openssl, "rehash", str(out)], capture_output=True)
+            if rehash.returncode != 0 or not _is_hashed(out):
+                return None
+            with contextlib.suppress(OSError):  # another run renamed its copy in first
+                out.rename(folder)
+    except OSError:  # a cache that cannot be written: the job reads the bundle itself
         return None
-    try:
-        for index, certificate in enumerate(certificates):
-            (building / f"{index:04d}.pem").write_bytes(certificate + b"\n")
-        rehash = subprocess.run([openssl, "rehash", str(building)], capture_output=True)
-        if rehash.returncode != 0 or not _is_hashed(building):
-            return None
-        (building / _COMPLETE).touch()
-        with contextlib.suppress(OSError):  # another run built it first
-            building.rename(folder)
-        return folder if (folder / _COMPLETE).exists() else None
-    except OSError:
-        return None
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
+    return folder if folder.is_dir() else None
 
 
 def _is_hashed(folder: Path) -> bool:
