@@ -1,4 +1,5 @@
 import msgspec
+import pytest
 from conftest import make_episode
 from qualification.gates import TraceAudit, lock_gate, resume_gates
 
@@ -245,11 +246,12 @@ def test_any_order_of_rows_gives_the_same_audit_whatever_the_window(monkeypatch)
 def test_an_audit_in_parts_on_worker_processes_gives_the_audit_of_the_whole_files(tmp_path, monkeypatch):
     """Large files are audited in parts (the k-th byte range of each file) on worker processes and merged:
     rows in any order across parts, one naming two episodes, one training an episode again, one naming an
-    unknown episode, an episode id repeated in a later part and trainer logprobs that differ from the
-    sampler's give the gates, counts and figures of the audit of the whole files, with one worker or two."""
+    unknown episode, one training a tool token, one with a token the policy never sampled, one whose lists are
+    written with spaces (a part compares them as text with the tokens' JSON, so it must decode this one), an
+    episode id repeated in a later part and trainer logprobs that differ from the sampler's give the gates, counts
+    and figures of the audit of the whole files, with one worker or two."""
     import random
 
-    import pytest
     from qualification.gates import trace
     from runner_contracts import JsonlWriter
 
@@ -262,16 +264,20 @@ def test_an_audit_in_parts_on_worker_processes_gives_the_audit_of_the_whole_file
                                    input_ids=rows[4].input_ids + rows[5].input_ids,
                                    loss_mask=rows[4].loss_mask + rows[5].loss_mask,
                                    old_logprobs=rows[4].old_logprobs + rows[5].old_logprobs)
+    tool_in_loss = [1 if index == 5 else mask for index, mask in enumerate(rows[7].loss_mask)]
+    unsampled = [99 if index == 4 else token for index, token in enumerate(rows[8].input_ids)]
     rows = [*rows[:4], both, *rows[6:], msgspec.structs.replace(rows[0], row_id="again"),
-            msgspec.structs.replace(rows[3], row_id="stray", episode_ids=["no-such-episode"])]
+            msgspec.structs.replace(rows[3], row_id="stray", episode_ids=["no-such-episode"]),
+            msgspec.structs.replace(rows[7], row_id="tool-in-loss", loss_mask=tool_in_loss),
+            msgspec.structs.replace(rows[8], row_id="unsampled", input_ids=unsampled),
+            msgspec.structs.replace(rows[9], row_id="spaced")]
 
     def audit_files(rows, workers):
         with JsonlWriter(tmp_path / "trajectories.jsonl") as writer:
             for trajectory in trajectories:
                 writer.write(trajectory)
-        with JsonlWriter(tmp_path / "training.jsonl") as writer:
-            for row in rows:
-                writer.write(row)
+        (tmp_path / "training.jsonl").write_bytes(b"".join(
+            msgspec.json.encode(row).replace(b",", b", " if row.row_id == "spaced" else b",") + b"\n" for row in rows))
         audit = TraceAudit(vocab_size=100, group_size=2, tolerance=1e-3)
         audit.add_files(tmp_path / "trajectories.jsonl", tmp_path / "training.jsonl", workers=workers)
         return {g.name: g for g in audit.gates() + audit.degeneracy_gates(0.5)}, audit
@@ -301,24 +307,61 @@ def test_an_audit_in_parts_on_worker_processes_gives_the_audit_of_the_whole_file
             parts["trace:unique-episodes"].detail)
         assert whole["trace:every-episode-trained"].measured == 1 and "no-such-episode" in (
             parts["trace:every-episode-trained"].detail)
-        assert not whole["trace:logprob-agreement"].passed and whole["trace:mask-provenance"].passed
-        assert whole_audit.mismatch.summary()["overall"]["tokens"] == 4 * 25  # 24 episodes, one trained again
+        assert not whole["trace:logprob-agreement"].passed and not whole["trace:trained-equals-sampled"].passed
+        assert whole_audit.counts["problem:mask-provenance"] == 2 and "tool-in-loss" in parts["trace:mask-provenance"].detail
+        assert "unsampled" in parts["trace:mask-provenance"].detail and "spaced" not in parts["trace:mask-provenance"].detail
+        assert whole_audit.mismatch.summary()["overall"]["tokens"] == 4 * 26  # 24 episodes, two trained again
 
 
-def test_an_unreadable_record_in_an_audit_in_parts_is_named_by_its_line(tmp_path, monkeypatch):
+def test_a_part_that_compares_rows_as_json_text_finds_what_the_whole_audit_finds(tmp_path):
+    """A part reads a row's input_ids and loss_mask as JSON text and compares them with the encoding of the
+    episode's tokens and provenance; a row that differs (a tool token trained, a token never sampled, lists of
+    other lengths, a trainer logprob short, the same lists written with spaces) is decoded and checked as the whole audit checks it."""
+    from qualification.gates import trace
+
+    pairs = [make_episode(group=g, sample=s, reward=float(s)) for g in range(4) for s in range(2)]
+    rows = [row for _, row in pairs]
+    rows[1] = msgspec.structs.replace(rows[1], loss_mask=[1 if i == 5 else m for i, m in enumerate(rows[1].loss_mask)])
+    rows[2] = msgspec.structs.replace(rows[2], input_ids=[99 if i == 4 else t for i, t in enumerate(rows[2].input_ids)])
+    rows[3] = msgspec.structs.replace(rows[3], loss_mask=rows[3].loss_mask[:-1])
+    rows[5] = msgspec.structs.replace(rows[5], old_logprobs=[lp - 0.5 for lp in rows[5].old_logprobs])
+    rows[6] = msgspec.structs.replace(rows[6], old_logprobs=rows[6].old_logprobs[:-1])
+    lines = [msgspec.json.encode(row) for row in rows]
+    lines[4] = lines[4].replace(b",", b", ")
+    trajectories, training = tmp_path / "trajectories.jsonl", tmp_path / "training.jsonl"
+    trajectories.write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t, _ in pairs))
+    training.write_bytes(b"".join(line + b"\n" for line in lines))
+
+    whole = TraceAudit(vocab_size=100, group_size=2, tolerance=1e-3)
+    whole.add_files(trajectories, training)
+    part = trace._audit_part((trajectories, (0, trajectories.stat().st_size), training, (0, training.stat().st_size),
+                              100, 2, 1e-3))
+    assert whole.counts["problem:mask-provenance"] == 2 and whole.counts["problem:lengths-vocab"] == 2
+    assert (part.counts, dict(part.problems), part.rows, part.trained, part.max_logprob_gap) == (
+        whole.counts, dict(whole.problems), whole.rows, whole.trained, whole.max_logprob_gap)
+    assert part.mismatch.summary() == whole.mismatch.summary()
+    assert whole.mismatch.summary()["overall"]["sequences"] == 4  # the 3 good rows (one spaced) and the far one
+
+
+@pytest.mark.parametrize(("fault", "field"), [
+    ((b'"advantage":', b'"advantage":"high","was":'), "advantage"),
+    ((b'"input_ids":[1,', b'"input_ids":[-1,'), "input_ids[0]"),  # read as text in a part: decoded as it differs
+    ((b'"loss_mask":[0,', b'"loss_mask":[2,'), "loss_mask[0]"),
+])
+def test_an_unreadable_record_in_an_audit_in_parts_is_named_by_its_line(tmp_path, monkeypatch, fault, field):
     """A part that cannot read a record gives the audit back to one process, whose error names the line."""
-    import pytest
     from qualification.gates import trace
     from runner_contracts import RecordError
 
     pairs = [make_episode(group=g, sample=s) for g in range(6) for s in range(2)]
     (tmp_path / "trajectories.jsonl").write_bytes(b"".join(msgspec.json.encode(t) + b"\n" for t, _ in pairs))
     rows = [msgspec.json.encode(row) + b"\n" for _, row in pairs]
-    rows[9] = rows[9].replace(b'"advantage":', b'"advantage":"high","was":')
+    assert fault[0] in rows[9]
+    rows[9] = rows[9].replace(*fault)
     (tmp_path / "training.jsonl").write_bytes(b"".join(rows))
     monkeypatch.setattr(trace, "PARALLEL_FROM_BYTES", 0)
     monkeypatch.setattr(trace, "PART_BYTES", 3000)
     with pytest.raises(RecordError) as raised:
         TraceAudit(vocab_size=100, group_size=2, tolerance=1e-3).add_files(
             tmp_path / "trajectories.jsonl", tmp_path / "training.jsonl", workers=2)
-    assert (raised.value.line, raised.value.field) == (10, "advantage")
+    assert (raised.value.line, raised.value.field) == (10, field)

@@ -12,7 +12,10 @@ touches the disk:
 Large files are audited in parts (add_files): part k is the k-th of equal byte ranges of each file, audited on
 a worker process as above; here the parts' figures are merged in order, episode ids are checked across parts,
 and the rows a part could not check (their episodes lie in another part) are checked against the episodes no
-part trained. The number of parts depends on the files' sizes alone, so the figures do too.
+part trained. The number of parts depends on the files' sizes alone, so the figures do too. A part reads a row's
+input_ids and loss_mask as JSON text and compares it with the encoding of the episode's tokens and provenance
+(the contracts' writer's, msgspec): a row written that way is not decoded into lists, one that differs is decoded
+and checked as in a whole audit.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import msgspec
 
-from runner_contracts import GateResult, RecordError, TrainingRow, Trajectory, iter_jsonl, line_ranges
+from runner_contracts import GateResult, RecordError, TrainingRow, Trajectory, decode_record, iter_jsonl, line_ranges
 
 from .mismatch import DOUBLE, MismatchPanel
 from .scratch import ScratchDatabase, SeenIds, map_in_order
@@ -58,6 +61,27 @@ class _Episode(msgspec.Struct, gc=False):  # a Struct: built in C, one for every
     logprobs: bytes
     trained: bool = False
     stored: bool = False  # in the SQLite file, whose trained flag follows this one
+
+
+def _with_raw_lists(record_type: type[msgspec.Struct], names: tuple[str, ...]) -> type[msgspec.Struct]:
+    """`record_type` with the fields `names` read as JSON text (msgspec.Raw)."""
+    fields = []
+    for f in msgspec.structs.fields(record_type):
+        kind = msgspec.Raw if f.name in names else f.type
+        if f.required:
+            fields.append((f.name, kind))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, kind, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, kind, f.default))
+    return msgspec.defstruct(f"_RawLists{record_type.__name__}", fields, kw_only=True, forbid_unknown_fields=True,
+                             gc=False)
+
+
+# A TrainingRow as a part reads it: input_ids and loss_mask stay JSON text, compared with msgspec's encoding of the
+# episode's tokens and provenance (the contracts' writer's); only a row that differs has them decoded and checked
+# against the contract (`_decoded`). They are most of a row's decoding.
+_RawListsRow = _with_raw_lists(TrainingRow, ("input_ids", "loss_mask"))
 
 
 class _Spilled:
@@ -347,10 +371,10 @@ class TraceAudit:
             episodes.append(episode)
         return episodes
 
-    def _defer(self, row: TrainingRow) -> None:
+    def _defer(self, row: TrainingRow | _RawListsRow) -> None:
         """Puts off a row to the second read, or in a part to the parent."""
         if self._left_rows is not None:
-            self._left_rows.append(msgspec.json.encode(row))
+            self._left_rows.append(msgspec.json.encode(_decoded(row)))  # the parent takes it as the contract's
         else:
             self._spill().defer(row)
 
@@ -466,10 +490,23 @@ class TraceAudit:
             self._check_row(row, [self._window.get(episode_id) or spilled.get(episode_id)
                                   for episode_id in row.episode_ids])
 
-    def _check_row(self, row: TrainingRow, episodes: list[_Episode | None]) -> None:
+    def _check_row(self, row: TrainingRow | _RawListsRow, episodes: list[_Episode | None]) -> None:
         self.rows += 1
         if row.advantage > 0 or row.advantage < 0:
             self.advantages_nonzero += 1
+        if len(episodes) == 1 and episodes[0] is not None:
+            tokens, provenance, sampled_logprobs = episodes[0].tokens, episodes[0].provenance, episodes[0].logprobs
+        elif None not in episodes:
+            tokens = [token for episode in episodes for token in episode.tokens]
+            provenance = b"".join(episode.provenance for episode in episodes)
+            sampled_logprobs = b"".join(episode.logprobs for episode in episodes)
+        if type(row) is _RawListsRow:
+            if (None not in episodes and (row.old_logprobs is None or len(row.old_logprobs) == len(tokens))
+                    and bytes(row.loss_mask) == _mask_json(provenance) and bytes(row.input_ids) == _encode(tokens)):
+                self._trained(row, episodes)  # input_ids are the tokens, the mask their provenance
+                self._check_logprobs(row, provenance, sampled_logprobs, provenance.count(POLICY), True)
+                return
+            row = _decoded(row)
         length = len(row.input_ids)
         if len(row.loss_mask) != length or (row.old_logprobs is not None and len(row.old_logprobs) != length):
             self._problem("lengths-vocab", f"row {row.row_id}: input_ids/loss_mask/old_logprobs lengths differ")
@@ -479,12 +516,6 @@ class TraceAudit:
             self._problem("every-episode-trained", f"row {row.row_id} names unknown episode(s) {missing[:3]}")
             return
         self._trained(row, episodes)
-        if len(episodes) == 1:
-            tokens, provenance, sampled_logprobs = episodes[0].tokens, episodes[0].provenance, episodes[0].logprobs
-        else:
-            tokens = [token for episode in episodes for token in episode.tokens]
-            provenance = b"".join(episode.provenance for episode in episodes)
-            sampled_logprobs = b"".join(episode.logprobs for episode in episodes)
         if row.input_ids != tokens:
             self._problem("mask-provenance", f"row {row.row_id}: input_ids differ from the episode's segment "
                                              f"tokens (first difference at {_first_difference(row.input_ids, tokens)})")
@@ -506,6 +537,11 @@ class TraceAudit:
             if trained != sampled:
                 self._problem("trained-equals-sampled", f"row {row.row_id}: {len(trained)} trained tokens vs "
                                                         f"{len(sampled)} sampled policy tokens")
+        self._check_logprobs(row, provenance, sampled_logprobs, trained_count, mask_is_provenance)
+
+    def _check_logprobs(self, row: TrainingRow | _RawListsRow, provenance: bytes, sampled_logprobs: bytes,
+                        trained_count: int, mask_is_provenance: bool) -> None:
+        """Counts the row's trained tokens; its trainer logprobs against the sampler's go to the mismatch panel."""
         self.counts["trained_tokens"] += trained_count
         if row.old_logprobs is not None:
             sampled_count = len(sampled_logprobs) // DOUBLE
@@ -644,7 +680,7 @@ def _audit_part(job: tuple) -> _Part | None:
                        _left_rows=[])
     try:
         audit.add(lambda: _records(trajectories, Trajectory, trajectory_range),
-                  _records(training, TrainingRow, training_range))
+                  _records(training, _RawListsRow, training_range))
     except RecordError:
         return None
     audit.mismatch.max_abs_diff()  # reduces the pairs still waiting
@@ -670,6 +706,25 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+_encode = msgspec.json.Encoder().encode
+_MASK_JSON: dict[bytes, bytes] = {}  # provenance -> the JSON of the loss mask equal to it
+
+
+def _mask_json(provenance: bytes) -> bytes:
+    found = _MASK_JSON.get(provenance)
+    if found is None:
+        if len(_MASK_JSON) >= 4096:  # rows of many shapes: keep the memory bounded
+            _MASK_JSON.clear()
+        found = _MASK_JSON[provenance] = _encode(list(provenance))
+    return found
+
+
+def _decoded(row: TrainingRow | _RawListsRow) -> TrainingRow:
+    """The contract's record of a row; RecordError when its JSON-text lists are not the contract's (in a part,
+    whose failure sends the files to a whole audit that names the line)."""
+    return decode_record(_encode(row), TrainingRow) if type(row) is _RawListsRow else row
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
