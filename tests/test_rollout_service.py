@@ -437,3 +437,37 @@ def test_a_slow_environment_within_the_timeout_scores_as_the_reference():
     assert {r.episode_id: (r.status, r.success, r.attempts) for r in response.results} == {
         episode_id: ("completed", success, 1) for episode_id, success in expected.items()}
     assert response.environment_restarts == 0
+
+
+def test_a_client_that_hangs_up_before_its_reply_is_one_line_on_the_servers_stderr(capfd):
+    """An environment killed mid-call leaves the policy server writing to a closed socket: that is one line on
+    its stderr (no socketserver traceback per call), and the server keeps serving."""
+    import socket
+    import struct
+
+    from runner_kit.http import JsonServer, Reply
+
+    release = threading.Event()
+
+    def slow(call):
+        release.wait(10)
+        return Reply(200, {"text": "x" * (4 << 20)})  # larger than the socket buffers: the write must fail
+
+    server = JsonServer([("POST", "/slow", slow), ("GET", "/ok", lambda call: Reply(200, {"ok": True}))]).start()
+    try:
+        client = socket.create_connection(("127.0.0.1", server.port))
+        client.sendall(b"POST /slow HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        time.sleep(0.2)
+        client.close()
+        release.set()
+        deadline, err = time.monotonic() + 10, ""
+        while "closed the connection" not in err and time.monotonic() < deadline:
+            time.sleep(0.05)
+            err += capfd.readouterr().err
+        assert "closed the connection before the reply" in err, err
+        assert "Traceback" not in err, err
+        assert get_json(f"{server.url}/ok") == {"ok": True}
+    finally:
+        release.set()
+        server.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -110,6 +111,16 @@ class JsonServer:
             daemon_threads = True
             allow_reuse_address = False
             request_queue_size = 256  # listen backlog: socketserver's 5 resets a burst of concurrent episodes
+
+            def handle_error(self, request: Any, client_address: tuple) -> None:
+                """A client that hung up before its reply (an environment killed mid-call) is one line on
+                stderr, not socketserver's traceback; anything else keeps the traceback."""
+                error = sys.exc_info()[1]
+                if isinstance(error, (BrokenPipeError, ConnectionResetError)):
+                    print(f"json-server: the client at {client_address[0]}:{client_address[1]} closed the "
+                          f"connection before the reply ({type(error).__name__})", file=sys.stderr, flush=True)
+                    return
+                super().handle_error(request, client_address)
 
         if sock is None:
             self._server = Server(("127.0.0.1", port), Handler)
