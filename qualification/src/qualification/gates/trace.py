@@ -21,6 +21,7 @@ and checked as in a whole audit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import math
 import multiprocessing
@@ -709,16 +710,12 @@ def _gc_paused() -> Iterator[None]:
 
 
 _encode = msgspec.json.Encoder().encode
-_MASK_JSON: dict[bytes, bytes] = {}  # provenance -> the JSON of the loss mask equal to it
 
 
+@functools.lru_cache(maxsize=4096)  # rows of one shape share a mask
 def _mask_json(provenance: bytes) -> bytes:
-    found = _MASK_JSON.get(provenance)
-    if found is None:
-        if len(_MASK_JSON) >= 4096:  # rows of many shapes: keep the memory bounded
-            _MASK_JSON.clear()
-        found = _MASK_JSON[provenance] = _encode(list(provenance))
-    return found
+    """The JSON of the loss mask equal to `provenance`."""
+    return _encode(list(provenance))
 
 
 def _decoded(row: TrainingRow | _RawListsRow) -> TrainingRow:
