@@ -1,5 +1,6 @@
 """Shared fixtures: builders for valid contract records, so tests corrupt one thing at a time, and the
-six-arm local comparison that the compare and Slurm tests both read (run once per session)."""
+six-arm local comparison that the compare, container, Apptainer and Slurm tests read (run once per session,
+in the background from the session's start, while the tests that do not read it run first)."""
 
 from __future__ import annotations
 
@@ -90,15 +91,75 @@ PLANTED_SECRETS = {"HF_TOKEN": "hf_plantedTokenValue0001", "WANDB_API_KEY": "pla
                    "LAB_INDEX_URL": "https://lab:planted-url-password-0006@pypi.invalid/simple"}
 
 
+COMPARISON_TIMEOUT_S = 5400
+
+
+class SessionComparison:
+    """`runner compare` of every stack on the calc-tool CPU plan with the local executor and engine, started
+    once; `result()` waits for it."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self.run_dir = tmp_path_factory.mktemp("compare")
+        output = tmp_path_factory.mktemp("compare-output")
+        self.stdout, self.stderr = output / "stdout.json", output / "stderr.log"
+        self.args = [str(Path(sys.executable).parent / "runner"), "compare", "--stacks", ",".join(COMPARED_ARMS),
+                     "--plan", str(CALC_PLAN), "--run-dir", str(self.run_dir), "--json"]
+        self.deadline = time.monotonic() + COMPARISON_TIMEOUT_S
+        with self.stdout.open("wb") as out, self.stderr.open("wb") as err:
+            self.process = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
+                                            env={**os.environ, **PLANTED_SECRETS})
+        self._result: tuple[Path, dict, subprocess.CompletedProcess] | None = None
+
+    def result(self) -> tuple[Path, dict, subprocess.CompletedProcess]:
+        """(run dir, the comparison's --json output, the finished process with its stdout and stderr)."""
+        if self._result is None:
+            try:
+                returncode = self.process.wait(timeout=max(0.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                raise
+            completed = subprocess.CompletedProcess(self.args, returncode, self.stdout.read_text(),
+                                                    self.stderr.read_text())
+            assert returncode in (0, 1), completed.stderr[-3000:]
+            self._result = self.run_dir, json.loads(completed.stdout), completed
+        return self._result
+
+    def stop(self) -> None:
+        """Ends the comparison if it still runs (the session ended first); its jobs die with it."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def reads_comparison(item) -> bool:
+    return "local_comparison" in getattr(item, "fixturenames", ())
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """The tests that read the session comparison run after all others (each group in its own order), so the
+    others run while the comparison is made in the background: alone, the suite keeps about one of two cores
+    busy (pip installs, image builds and process starts are mostly single-threaded)."""
+    items[:] = sorted(items, key=reads_comparison)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_comparison_in_background(request, tmp_path_factory):
+    """Starts the session comparison as the session begins, when any selected test reads it."""
+    comparison = SessionComparison(tmp_path_factory) if any(map(reads_comparison, request.session.items)) else None
+    yield comparison
+    if comparison is not None:
+        comparison.stop()
+
+
 @pytest.fixture(scope="session")
-def local_comparison(tmp_path_factory):
-    """`runner compare` of every stack on the calc-tool CPU plan with the local executor and engine."""
-    run_dir = tmp_path_factory.mktemp("compare")
-    result = subprocess.run([str(Path(sys.executable).parent / "runner"), "compare", "--stacks",
-                             ",".join(COMPARED_ARMS), "--plan", str(CALC_PLAN), "--run-dir", str(run_dir), "--json"],
-                            capture_output=True, text=True, timeout=5400, env={**os.environ, **PLANTED_SECRETS})
-    assert result.returncode in (0, 1), result.stderr[-3000:]
-    return run_dir, json.loads(result.stdout), result
+def local_comparison(session_comparison_in_background, tmp_path_factory):
+    """The session comparison's (run dir, --json output, finished process)."""
+    return (session_comparison_in_background or SessionComparison(tmp_path_factory)).result()
 
 
 def leftover_processes(run_dir: Path) -> list[str]:
