@@ -419,6 +419,7 @@ class BatchingSampler:
                       "attention_calls": 0, "model_s": 0.0}  # attention_calls: per layer, in decode steps
         self._rowwise = _Rowwise(model)
         self._shared = _SharedPrefills(model)
+        self._cache_name = _cache_keyword(model)
         self._queue: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # one at a time: the model is shared
         self._stats_lock = threading.Lock()
@@ -477,9 +478,8 @@ class BatchingSampler:
 
         logits, cache = self._prefill(call)
         while not sample([call], logits.unsqueeze(0))[0]:
-            output = self.model(input_ids=torch.tensor([[call.ids[-1]]], device=self.model.device),
-                                past_key_values=cache, use_cache=True)
-            logits, cache = output.logits[0, -1], output.past_key_values
+            output, cache = self._forward(torch.tensor([[call.ids[-1]]], device=self.model.device), cache)
+            logits = output.logits[0, -1]
 
     @contextlib.contextmanager
     def _inference(self):
@@ -569,30 +569,36 @@ class BatchingSampler:
         import torch
 
         call.length = len(call.prompt_ids)
-        output = self.model(input_ids=torch.tensor([call.prompt_ids], device=self.model.device), use_cache=True)
-        return output.logits[0, -1].clone(), output.past_key_values
+        output, cache = self._forward(torch.tensor([call.prompt_ids], device=self.model.device))
+        return output.logits[0, -1].clone(), cache
+
+    def _forward(self, input_ids, cache=None, **inputs) -> tuple:
+        """(the model's output for `input_ids` after `cache`, the cache that now includes them)."""
+        output = self.model(input_ids=input_ids, use_cache=True, **inputs,
+                            **({self._cache_name: cache} if cache is not None else {}))
+        return output, getattr(output, self._cache_name)
 
     def _decode(self, calls: list[_Call], tokens: list[int], cache):
-        """One forward pass over `tokens`, each the next token of its call, row-wise."""
+        """One forward pass over `tokens`, each the next token of its call, row-wise: (its output, the cache)."""
         import torch
 
         device = self.model.device
         positions = torch.tensor([[call.length] for call in calls], device=device)
         with self._rowwise.active([call.length + 1 for call in calls]):
-            output = self.model(input_ids=torch.tensor([[t] for t in tokens], device=device), position_ids=positions,
-                                past_key_values=cache, use_cache=True)
+            output, cache = self._forward(torch.tensor([[t] for t in tokens], device=device), cache,
+                                          position_ids=positions)
             if self._rowwise.layers_attended != self.model.config.num_hidden_layers:
                 raise RuntimeError(f"the model's attention did not go through the attention interface "
                                    f"({self._rowwise.layers_attended} of {self.model.config.num_hidden_layers} layers)")
         for call in calls:
             call.length += 1
-        return output
+        return output, cache
 
     def _step(self, active: list[_Call], cache):
         """One decode step over every active call; finished calls leave the batch."""
         import torch
 
-        output = self._decode(active, [call.ids[-1] for call in active], cache)
+        output, cache = self._decode(active, [call.ids[-1] for call in active], cache)
         with self._stats_lock:
             self.stats["decode_steps"] += 1
             self.stats["rows_decoded"] += len(active)
@@ -600,12 +606,11 @@ class BatchingSampler:
             self.stats["max_rows"] = max(self.stats["max_rows"], len(active))
         done = sample(active, output.logits[:, -1])
         if not any(done):
-            return output.past_key_values
+            return cache
         keep = [row for row, finished in enumerate(done) if not finished]
         active[:] = [active[row] for row in keep]
         if not keep:
             return None
-        cache = output.past_key_values
         width = max(call.length for call in active)
         index = torch.tensor(keep, device=self.model.device)
         for layer in cache.layers:
@@ -646,9 +651,8 @@ class BatchingSampler:
                 _, cache = self._prefill(call)
                 logits = []
                 for step in range(steps):
-                    output = self.model(input_ids=torch.tensor([[call.prompt_ids[step]]], device=self.model.device),
-                                        past_key_values=cache, use_cache=True)
-                    cache = output.past_key_values
+                    output, cache = self._forward(torch.tensor([[call.prompt_ids[step]]], device=self.model.device),
+                                                  cache)
                     logits.append(output.logits[0, -1])
                 alone.append(logits)
             prefilled = [self._prefill(call)[1] for call in calls]
@@ -656,8 +660,7 @@ class BatchingSampler:
                 return "the model's KV cache is not a plain DynamicCache (sliding window or static)"
             cache = _join(None, prefilled)
             for step in range(steps):
-                output = self._decode(calls, [call.prompt_ids[step] for call in calls], cache)
-                cache = output.past_key_values
+                output, cache = self._decode(calls, [call.prompt_ids[step] for call in calls], cache)
                 for row, call in enumerate(calls):
                     if not torch.equal(output.logits[row, -1], alone[row][step]):
                         difference = float((output.logits[row, -1] - alone[row][step]).abs().max())
@@ -706,6 +709,14 @@ def _sampling_batch_invariance(vocab: int) -> str:
     if sampling_differences(vocab, 4, one)[1]:
         return "rows sampled together draw otherwise than each row alone"
     return ""
+
+
+def _cache_keyword(model) -> str:
+    """The forward's name for the KV cache: `cache` from transformers 5.24 (where `past_key_values` logs a
+    deprecation per process and goes in 5.40), `past_key_values` before."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _join(cache, added: list):
