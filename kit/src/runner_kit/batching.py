@@ -574,8 +574,7 @@ class BatchingSampler:
 
     def _forward(self, input_ids, cache=None, **inputs) -> tuple:
         """(the model's output for `input_ids` after `cache`, the cache that now includes them)."""
-        output = self.model(input_ids=input_ids, use_cache=True, **inputs,
-                            **({self._cache_name: cache} if cache is not None else {}))
+        output = self.model(input_ids=input_ids, use_cache=True, **inputs, **{self._cache_name: cache})
         return output, getattr(output, self._cache_name)
 
     def _decode(self, calls: list[_Call], tokens: list[int], cache):
