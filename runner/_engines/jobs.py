@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -193,17 +194,10 @@ def run_process(cmd: list[str], out_dir: Path, env: dict[str, str], *, timeout_s
     started = time.monotonic()
     with open(stdout, "wb") as out, open(stderr, "wb") as err:
         process, token = _start_job(cmd, out_dir, env, out, err, preexec)
-
-        def finished(step_s: float) -> bool:
-            try:
-                process.wait(timeout=step_s)
-                return True
-            except subprocess.TimeoutExpired:
-                return False
-
         try:
-            killed, timed_out = watch(finished, lambda: _kill_group(process), timeout_s=timeout_s,
-                                      kill_when=kill_when)
+            with exit_waiter(process) as finished:
+                killed, timed_out = watch(finished, lambda: _kill_group(process), timeout_s=timeout_s,
+                                          kill_when=kill_when)
         except BaseException:
             _kill_group(process)
             raise
@@ -212,6 +206,32 @@ def run_process(cmd: list[str], out_dir: Path, env: dict[str, str], *, timeout_s
     shutil.rmtree(out_dir / ".home", ignore_errors=True)
     return RunOutcome(exit_code=process.returncode, killed=killed, timed_out=timed_out,
                       seconds=time.monotonic() - started, stdout=stdout, stderr=stderr)
+
+
+@contextlib.contextmanager
+def exit_waiter(process: subprocess.Popen) -> Iterator[Callable[[float], bool]]:
+    """`finished(step_s)`: waits up to `step_s` for the process to exit, woken by its pidfd the moment it
+    does (Popen.wait's timeout polls in growing sleeps: ~7 ms late on average, per job)."""
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):  # not Linux >= 5.3, or the process is already reaped
+        pidfd = None
+
+    def finished(step_s: float) -> bool:
+        if pidfd is not None:
+            select.select([pidfd], [], [], step_s)
+            return process.poll() is not None
+        try:
+            process.wait(timeout=step_s)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+
+    try:
+        yield finished
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
 
 
 def watch(finished: Callable[[float], bool], kill: Callable[[], None], *, timeout_s: float,

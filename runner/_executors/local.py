@@ -11,7 +11,6 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from runner_contracts import Plan
 
-from .._compare import write_comparison
 from .._console import err_console
 from .._engines import make_engine
 from .._report import write_report
@@ -42,6 +41,8 @@ class LocalExecutor:
             check_run_dir(compare_dir / "arms" / manifest.name, plan)
         for manifest in manifests:
             self.run_arm(manifest, plan, compare_dir / "arms" / manifest.name, stages[manifest.name], resume=resume)
+        from .._compare import write_comparison  # a comparison's only
+
         return write_comparison(compare_dir, [manifest.name for manifest in manifests])
 
     def run_arm(self, manifest: StackManifest, plan: Plan, target: Path, selected: list[str], *,

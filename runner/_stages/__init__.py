@@ -5,6 +5,7 @@ first stage that does not pass stops the arm."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable
 
 from runner_contracts import ErrorInfo, Evidence, RecordError, write_record
@@ -20,19 +21,13 @@ from .evidence import (
     write_skipped,
     write_stage_evidence,
 )
-from .evaluate import stage_evaluate
-from .probe import stage_probe
-from .resume import stage_resume
-from .distill import stage_distill
-from .domain import DOMAIN_STAGE_FUNCTIONS
-from .rollout import stage_rollout
-from .service import stage_service
-from .training import stage_train, stage_update
 
-STAGE_FUNCTIONS: dict[str, Callable[[Arm], StageOutput]] = {
-    "probe": stage_probe, "service": stage_service, "rollout": stage_rollout, "distill": stage_distill,
-    "update": stage_update,
-    "resume": stage_resume, "train": stage_train, "evaluate": stage_evaluate,
+# Stage -> "module:function" in this package, imported when the stage runs (lm-evaluation-harness's lazy
+# registration): a `--stages probe` imports the probe's module, not the audits of the others.
+STAGE_FUNCTIONS = {
+    "probe": "probe:stage_probe", "service": "service:stage_service", "rollout": "rollout:stage_rollout",
+    "distill": "distill:stage_distill", "update": "training:stage_update", "resume": "resume:stage_resume",
+    "train": "training:stage_train", "evaluate": "evaluate:stage_evaluate",
 }
 STAGES = tuple(STAGE_FUNCTIONS)
 # SFT trains on demonstrations, not sampled episodes: there is no rollout to audit; distillation's come from
@@ -45,12 +40,20 @@ __all__ = ["RECIPE_STAGES", "STAGES", "TRIAL_STAGES", "Arm", "default_run_dir", 
            "trial_dir"]
 
 
+def stage_function(stage: str, *, domain: bool) -> Callable[[Arm], StageOutput]:
+    """The function that runs `stage` for a language-model arm, or for a domain arm (stages/domain.py)."""
+    if domain:
+        return importlib.import_module(".domain", __name__).DOMAIN_STAGE_FUNCTIONS[stage]
+    module, _, function = STAGE_FUNCTIONS[stage].partition(":")
+    return getattr(importlib.import_module(f".{module}", __name__), function)
+
+
 def run_stage(arm: Arm, stage: str) -> Evidence:
     started = now()
     arm.start_stage(stage)
     arm.stage_dir(stage).mkdir(parents=True, exist_ok=True)
     try:
-        output = (DOMAIN_STAGE_FUNCTIONS if arm.manifest.kind == "domain" else STAGE_FUNCTIONS)[stage](arm)
+        output = stage_function(stage, domain=arm.manifest.kind == "domain")(arm)
     except AdapterFailed as failure:
         output = StageOutput(error=failure.info)
     except RecordError as error:

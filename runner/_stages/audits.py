@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from qualification.gates import TraceAudit, call_gates
+from qualification.gates import call_gates
 from qualification.tasks import get_family
 from runner_contracts import GateResult, PolicyCall, RolloutLedger, StageResult, Trajectory
 
@@ -18,6 +18,8 @@ from .arm import Arm, read_any
 
 
 def audit_trace(arm: Arm, out: Path, *, signal: bool, revisions: dict[int, str] | None) -> tuple[list[GateResult], dict]:
+    from qualification.gates import TraceAudit  # its workers, scratch database and panel: ~20 ms to import
+
     audit = TraceAudit(vocab_size=vocab_size(arm.policy_dir), group_size=arm.plan.budget.generations_per_prompt,
                        tolerance=arm.plan.gates.logprob_tolerance)
     audit.add_files(out / "trajectories.jsonl", out / "training.jsonl")
