@@ -9,7 +9,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,70 @@ def session_comparison_in_background(request, tmp_path_factory):
 def local_comparison(session_comparison_in_background, tmp_path_factory):
     """The session comparison's (run dir, --json output, finished process)."""
     return (session_comparison_in_background or SessionComparison(tmp_path_factory)).result()
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Iterator[str]:
+    """DOCKER_HOST of one dockerd for the session (tests/container_daemons.py), or a skip saying why not:
+    test_apptainer builds its SIFs' images there, test_containers and test_domain qualify in it."""
+    from container_daemons import docker_daemon, missing
+
+    if reason := missing("dockerd", "debootstrap"):
+        pytest.skip(f"no Docker Engine for the container tests: {reason}")
+    with docker_daemon() as url:
+        yield url
+
+
+class ImagesInBackground:
+    """`runner images build --engine docker` of every compared stack, one after another on a thread, from the
+    session's start: the docker comparison, which runs last, then finds its images built (its own builds still
+    check them), and the builds' pip installs share the cores with the tests instead of following them."""
+
+    def __init__(self, url: str, folder: Path) -> None:
+        from container_daemons import copy_stacks
+
+        self.env = {**os.environ, "DOCKER_HOST": url, "RUNNER_STACKS_DIR": str(copy_stacks(folder / "stacks"))}
+        self.log = folder / "builds.log"
+        self.process: subprocess.Popen | None = None
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()  # a build starts only while not stopped
+        self.thread = threading.Thread(target=self._build_all, name="docker-images", daemon=True)
+        self.thread.start()
+
+    def _build_all(self) -> None:
+        runner_bin = str(Path(sys.executable).parent / "runner")
+        with self.log.open("ab") as log:
+            for stack in COMPARED_ARMS:  # trl and openenv first: test_apptainer exports them early on
+                with self.lock:
+                    if self.stopped.is_set():
+                        return
+                    self.process = subprocess.Popen([runner_bin, "images", "build", "--stack", stack, "--engine",
+                                                     "docker"], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                                    env=self.env)
+                self.process.wait()
+
+    def stop(self) -> None:
+        """Ends a build still running (the session ended first) and waits for the thread."""
+        with self.lock:
+            self.stopped.set()
+            if self.process is not None and self.process.poll() is None:
+                self.process.terminate()
+        self.thread.join()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def docker_images_in_background(request, tmp_path_factory):
+    """Starts building the compared stacks' images as the session begins, when the docker comparison is
+    selected and a Docker Engine can run here."""
+    from container_daemons import missing
+
+    wanted = any("docker_comparison" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    if not wanted or missing("dockerd", "debootstrap"):
+        yield None
+        return
+    builder = ImagesInBackground(request.getfixturevalue("docker_engine"), tmp_path_factory.mktemp("images"))
+    yield builder
+    builder.stop()
 
 
 def leftover_processes(run_dir: Path) -> list[str]:

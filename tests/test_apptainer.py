@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from apptainer_host import launcher, missing
 from conftest import CALC_PLAN, rollout_tokens, stage_evidence
-from container_daemons import copy_stacks, docker_daemon
+from container_daemons import copy_stacks
 from container_daemons import missing as missing_tools
 
 from runner._paths import cache_dir
@@ -49,20 +49,19 @@ def apptainer() -> Path:
 
 
 @pytest.fixture(scope="module")
-def sif_env(apptainer, tmp_path_factory) -> dict[str, str]:
+def sif_env(apptainer, docker_engine, tmp_path_factory) -> dict[str, str]:
     """RUNNER_APPTAINER and RUNNER_SIF_DIR with the SIF of each stack in SIF_ARMS exported into it, and
     RUNNER_STACKS_DIR, a copy of the stacks (an export records the SIF's sha256 in pins.json; same contents,
     same image tags)."""
     sif_dir = cache_dir() / "sif"
     stacks = copy_stacks(tmp_path_factory.mktemp("apptainer") / "stacks")
     env = {"RUNNER_APPTAINER": str(apptainer), "RUNNER_SIF_DIR": str(sif_dir), "RUNNER_STACKS_DIR": str(stacks)}
-    with docker_daemon() as url:
-        for stack in SIF_ARMS:
-            result = runner("images", "export", "--stack", stack, "--to", "sif", "--out", str(sif_dir),
-                            "--apptainer", str(apptainer), "--mksquashfs-args", "-comp lz4",
-                            env={**env, "DOCKER_HOST": url})
-            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-            assert f"sif: {sif_dir / (stack + '.sif')}" in result.stdout
+    for stack in SIF_ARMS:
+        result = runner("images", "export", "--stack", stack, "--to", "sif", "--out", str(sif_dir),
+                        "--apptainer", str(apptainer), "--mksquashfs-args", "-comp lz4",
+                        env={**env, "DOCKER_HOST": docker_engine})
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+        assert f"sif: {sif_dir / (stack + '.sif')}" in result.stdout
     return env
 
 

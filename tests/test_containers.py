@@ -6,7 +6,8 @@ image compared under docker up to the first update, with the local engine's toke
 builds and runs the same definition (every stack with RUNNER_TEST_ALL_ENGINES=1, `make test-engines`).
 
 Slow: the first run makes the three bases (~45 s each) and the six images (~9 min in all); they are cached
-(image stores under the runner cache) and reused by later runs."""
+(image stores under the runner cache) and reused by later runs. The session's dockerd (conftest.docker_engine)
+starts building them as the session begins, when the docker comparison is selected (ImagesInBackground)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from conftest import CALC_PLAN, COMPARED_ARMS, rollout_tokens, stage_evidence
-from container_daemons import copy_stacks, docker_daemon, missing, podman_service
+from container_daemons import copy_stacks, missing, podman_service
 
 from runner.api import get_stack
 
@@ -40,13 +41,9 @@ def checked(result: subprocess.CompletedProcess) -> dict:
 
 
 @pytest.fixture(scope="module")
-def docker_host(tmp_path_factory):
-    """DOCKER_HOST of a dockerd started for this module, and RUNNER_STACKS_DIR of a copy of the stacks."""
-    reason = missing("dockerd", "debootstrap")
-    if reason:
-        pytest.skip(f"no Docker Engine for the container tests: {reason}")
-    with docker_daemon() as url:
-        yield {"DOCKER_HOST": url, "RUNNER_STACKS_DIR": str(copy_stacks(tmp_path_factory.mktemp("d") / "stacks"))}
+def docker_host(docker_engine, tmp_path_factory):
+    """DOCKER_HOST of the session's dockerd, and RUNNER_STACKS_DIR of a copy of the stacks."""
+    return {"DOCKER_HOST": docker_engine, "RUNNER_STACKS_DIR": str(copy_stacks(tmp_path_factory.mktemp("d") / "stacks"))}
 
 
 @pytest.fixture(scope="module")

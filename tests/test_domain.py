@@ -231,27 +231,25 @@ def test_a_domain_arm_renders_as_a_slurm_job_whose_frozen_plan_reads_back_to_the
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("stack", "plan", "cold"), [("mace", MACE_PLAN, "~2 min"), ("lerobot", LEROBOT_PLAN, "~8 min, 8 GB")])
-def test_a_domain_stack_qualifies_in_its_docker_image_to_the_same_weights(tmp_path, stack, plan, cold):
+def test_a_domain_stack_qualifies_in_its_docker_image_to_the_same_weights(request, tmp_path, stack, plan, cold):
     """The same plan in the stack's image (real Docker Engine, started by the test): every gate, and the final
     weights the local engine's run trains (measured for both: identical, Python 3.11.2 in the image, 3.11.7 here)."""
     if not os.environ.get("RUNNER_TEST_ALL_DOMAINS"):
         pytest.skip(f"RUNNER_TEST_ALL_DOMAINS=1 (`make test-domains`) builds the {stack} image ({cold} cold) and "
                     "qualifies it there: more than CI's 60-minute budget holds")
-    from container_daemons import copy_stacks, docker_daemon, missing
+    from container_daemons import copy_stacks
 
-    if reason := missing("dockerd"):
-        pytest.skip(f"no Docker Engine: {reason}")
+    url = request.getfixturevalue("docker_engine")  # started only when the test is opted in
     stacks = copy_stacks(tmp_path / "stacks")  # building records the image's digest in pins.json
     runs = {}
-    with docker_daemon() as url:
-        for engine in ("docker", "local"):
-            run_dir = tmp_path / engine
-            result = subprocess.run([RUNNER, "qualify", "--stack", stack, "--plan", str(plan), "--engine", engine,
-                                     "--stages", "probe,train", "--run-dir", str(run_dir), "--json"],
-                                    capture_output=True, text=True, timeout=1800,
-                                    env={**os.environ, "DOCKER_HOST": url, "RUNNER_STACKS_DIR": str(stacks)})
-            assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-            runs[engine] = json.loads((run_dir / "stages" / "train" / "evidence.json").read_text())
+    for engine in ("docker", "local"):
+        run_dir = tmp_path / engine
+        result = subprocess.run([RUNNER, "qualify", "--stack", stack, "--plan", str(plan), "--engine", engine,
+                                 "--stages", "probe,train", "--run-dir", str(run_dir), "--json"],
+                                capture_output=True, text=True, timeout=1800,
+                                env={**os.environ, "DOCKER_HOST": url, "RUNNER_STACKS_DIR": str(stacks)})
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        runs[engine] = json.loads((run_dir / "stages" / "train" / "evidence.json").read_text())
     probe = json.loads((tmp_path / "docker" / "stages" / "probe" / "evidence.json").read_text())
     assert probe["environment"]["engine"] == "docker" and probe["environment"]["image"].startswith(f"runner-{stack}:")
     assert runs["docker"]["checkpoints"] == runs["local"]["checkpoints"]
