@@ -46,6 +46,11 @@ def test_concurrent_episodes_sampled_batched_equal_one_at_a_time_bit_for_bit(trl
     # On CPU both ways compute with one intra-op thread, and the caller (the trainer) keeps its own count.
     assert found["alone"]["intra_op_threads"] == found["batched"]["intra_op_threads"] == 1, found
     assert found["caller_threads"]["after"] == found["caller_threads"]["before"], found["caller_threads"]
+    # When the last call in flight returned, the model was in the training mode the trainer left it in, even
+    # with the batcher's thread paused after its last step: a skyrl-gym train stage once lost a batch's
+    # evidence to a caller that woke while the batcher still held the model in eval mode.
+    for way in ("alone", "batched"):
+        assert found[way]["idle_mode"]["eval"] == 0 and found[way]["idle_mode"]["train"] > 0, found[way]
     batched = found["batched"]
     assert batched["mode"] == "batched" and "reason" not in batched, batched
     # Calls really shared decode steps: greedy, top-k and top-p calls side by side in one forward pass.

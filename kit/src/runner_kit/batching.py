@@ -169,9 +169,15 @@ class _Call:
         return False
 
     def end(self, finish: str | None, error: BaseException | None = None) -> bool:
+        """Records how the call ended. A batched call's caller wakes when the batcher sets `done`, after the
+        decode step's inference mode is over: the trainer that waits for its episodes then finds the model
+        in the mode it left it in (its recorder checks `model.training`)."""
         self.finish, self.error = finish, error
-        self.done.set()
         return True
+
+    @property
+    def ended(self) -> bool:
+        return self.finish is not None or self.error is not None
 
 
 class _SharedPrefills:
@@ -510,14 +516,17 @@ class BatchingSampler:
                 for call in active + waiting:
                     if call is not None:
                         call.end(None, RuntimeError("the policy server closed during the call"))
+                        call.done.set()
                 return
             started = time.monotonic()
+            touched = list(active)
             with _intra_op_threads(self.threads), self._inference():
                 admitted = []
                 if waiting:
                     self._shared.check_weights()
                 while waiting and len(active) + len(admitted) < self.max_rows:
                     call = waiting.pop(0)
+                    touched.append(call)
                     try:
                         admitted.append((call, *self._prefilled(call)))
                     except Exception as error:  # noqa: BLE001 - answered to the caller, who reports it
@@ -540,6 +549,9 @@ class BatchingSampler:
                             call.end(None, error)
                         active, cache = [], None
             self.stats["model_s"] += time.monotonic() - started
+            for call in touched:  # answered once the model is back in the trainer's mode
+                if call.ended:
+                    call.done.set()
 
     def _prefilled(self, call: _Call) -> tuple:
         """(last-position logits, KV cache) of `call`'s prompt: prefilled alone, or a copy of the same prompt's

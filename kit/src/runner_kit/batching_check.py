@@ -80,18 +80,51 @@ def drive(base_url: str, tokenizer_dir: str, episodes: int) -> None:
         thread.join()
 
 
+def watch_idle_mode(sampler, model) -> dict[str, int]:
+    """Counts, each time the last call in flight returns, whether the model is in training mode (as a trainer
+    waiting for its episodes leaves it) or still in the sampler's eval mode: a trainer whose episodes have all
+    ended must find the model as it left it (TRL's GRPOTrainer takes its evaluation path otherwise). The
+    batcher's thread pauses 50 ms after a step that ended its last calls, as a loaded machine may deschedule
+    it there, so that a caller woken before the batcher leaves its inference mode would see it."""
+    seen = {"train": 0, "eval": 0}
+    lock, in_flight, sample, step = threading.Lock(), [0], sampler.sample, sampler._step
+
+    def paused_step(active, cache):
+        cache = step(active, cache)
+        if not active:
+            time.sleep(0.05)
+        return cache
+
+    def watched(*args, **kwargs):
+        with lock:
+            in_flight[0] += 1
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            with lock:  # no call starts while the mode is read
+                in_flight[0] -= 1
+                if in_flight[0] == 0:
+                    seen["train" if model.training else "eval"] += 1
+
+    sampler.sample, sampler._step = watched, paused_step
+    return seen
+
+
 def run(model, tokenizer, policy_dir: str, episodes: int, max_rows: int, folder: str) -> tuple[dict, dict, float]:
-    """(calls by id, the sampler's evidence, wall seconds) of `episodes` concurrent episodes."""
+    """(calls by id, the sampler's evidence with the model's mode whenever it went idle, wall seconds) of
+    `episodes` concurrent episodes, the model in training mode as a trainer leaves it."""
     calls_path = Path(folder) / f"calls-{max_rows}.jsonl"
+    model.train()
     server = PolicyServer(model, tokenizer, sampling=SAMPLING, calls_path=calls_path, revision="r",
                           max_rows=max_rows).start()
+    idle_mode = watch_idle_mode(server.sampler, model)
     started = time.monotonic()
     subprocess.run([sys.executable, "-m", "runner_kit.batching_check", policy_dir, "--drive", server.base_url,
                     "--episodes", str(episodes)], check=True)
     seconds = time.monotonic() - started
     server.close()
     calls = [json.loads(line) for line in calls_path.read_text().splitlines()]
-    return {c["call_id"]: c for c in calls}, server.sampler.evidence(), seconds
+    return {c["call_id"]: c for c in calls}, {**server.sampler.evidence(), "idle_mode": idle_mode}, seconds
 
 
 def compare_sampling(steps: int = 40) -> dict:
