@@ -53,6 +53,17 @@ def tidy(request):
     print("an unflushed line", end="")
     return StageResult(stage=request.stage)
 
+def full_collections_while_growing():
+    """Makes 600k objects that stay alive, as an upstream's imports do; the full collections that ran meanwhile."""
+    import gc
+    before = gc.get_stats()[2]["collections"]
+    kept = [[{"n": i}] for i in range(300_000)]
+    return gc.get_stats()[2]["collections"] - before
+
+def grow(request):
+    (Path(request.out_dir) / "full_collections").write_text(str(full_collections_while_growing()))
+    return StageResult(stage=request.stage)
+
 def serve(request):
     start_orphan(request.out_dir)
     (Path(request.out_dir) / "service.json").write_text(json.dumps({"url": "http://127.0.0.1:1", "pid": os.getpid()}))
@@ -76,7 +87,8 @@ def adapter(tmp_path, monkeypatch):
         out_dir.mkdir(parents=True)
         request = write_record(out_dir / "request.json", StageRequest(
             run_id="run", stack="test", stage=stage, plan=plan, out_dir=str(out_dir), options=options))
-        entry = {"serve": "leaky_adapter:serve", "tidy": "leaky_adapter:tidy"}.get(stage, "leaky_adapter:leak")
+        entry = {"serve": "leaky_adapter:serve", "tidy": "leaky_adapter:tidy", "grow": "leaky_adapter:grow"}.get(
+            stage, "leaky_adapter:leak")
         env = {**scrubbed_env(Path(sys.executable).parent, out_dir / ".home"), "PYTHONPATH": str(package)}
         return [sys.executable, "-m", "runner_contracts.launch", entry, str(request)], out_dir, env
 
@@ -106,6 +118,18 @@ def test_an_adapter_process_skips_only_the_interpreters_teardown(adapter):
     assert (out_dir / "result.json").is_file()
     assert (out_dir / "thread.done").read_text() == "joined" and (out_dir / "atexit.done").read_text() == "ran"
     assert outcome.stdout.read_text() == "an unflushed line"
+
+
+def test_an_adapter_start_runs_no_full_collection(adapter):
+    """The objects an adapter's start makes live as long as the job: the launcher keeps CPython from scanning
+    them all again each time they grow by a quarter (a plain interpreter runs several full collections here)."""
+    cmd, out_dir, env = adapter("grow")
+    plain = subprocess.run([sys.executable, "-c", "import leaky_adapter; print(leaky_adapter."
+                            "full_collections_while_growing())"], env=env, capture_output=True, text=True, check=True)
+    assert int(plain.stdout) > 0
+    outcome = run_process(cmd, out_dir, env, timeout_s=60)
+    assert outcome.exit_code == 0, outcome.stderr.read_text()
+    assert (out_dir / "full_collections").read_text() == "0"
 
 
 def test_a_timed_out_job_is_ended_with_what_it_started(adapter):
