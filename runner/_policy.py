@@ -13,12 +13,13 @@ from typing import Any
 import msgspec
 
 from qualification.tasks import sources
-from runner_contracts import (TOOL_CALL_MARKERS, AnyPlan, DomainPlan, Plan, PolicySpec, StageRequest, canonical_json, freeze_plan,
-                              sha256_file)
+from runner_contracts import (TOOL_CALL_MARKERS, AnyPlan, DomainPlan, Plan, PolicySpec, StageRequest, canonical_json,
+                              freeze_plan)
 
 from ._engines.jobs import file_lock, last_error_lines, tree_hash
 from ._engines.local import LocalEngine
 from ._errors import EngineError, UserError
+from ._file_hashes import cached_sha256
 from ._paths import cache_dir, local_packages
 from ._stacks import StackManifest, all_stacks
 
@@ -113,7 +114,7 @@ def _resolved(spec: PolicySpec, where: str, plan: Plan, engine: LocalEngine) -> 
         problems = checkpoint_problems(path, spec.tool_format)
         if problems:
             raise UserError(f"plan field {where}.path: the checkpoint cannot be used:\n  " + "\n  ".join(problems))
-    digest = sha256_file(path / WEIGHTS)
+    digest = cached_sha256(path / WEIGHTS)
     if spec.kind == "path" and spec.sha256 and spec.sha256 != digest:
         raise UserError(f"plan field {where}.sha256: {path / WEIGHTS} has sha256 {digest}, the plan pins {spec.sha256}")
     return msgspec.structs.replace(spec, path=str(path), sha256=digest, revision=spec.revision or digest[:12])

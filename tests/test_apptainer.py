@@ -73,7 +73,7 @@ def cluster_profile(sif_env: dict[str, str], folder: Path) -> Path:
 
 
 def test_a_sifs_sha256_is_recorded_in_the_stacks_pins(sif_env):
-    from runner._engines.images import cached_sha256
+    from runner._file_hashes import cached_sha256
 
     sif = Path(sif_env["RUNNER_SIF_DIR"]) / "openenv.sif"
     pins = json.loads((Path(sif_env["RUNNER_STACKS_DIR"]) / "openenv" / "pins.json").read_text())

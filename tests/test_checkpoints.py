@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 import pytest
 from conftest import stand_in_checkpoint
+
+from runner_contracts import sha256_file
 
 from runner._policy import checkpoint_problems
 from runner.api import UserError, load_plan, resolve_policy
@@ -94,3 +98,26 @@ def test_a_tiny_policys_tool_format_is_its_model_familys(tmp_path):
     with pytest.raises(UserError, match=r"field policy.tool_format: Invalid enum value 'xml'; expected one of hermes, "
                                         r"llama3_json, mistral"):
         load_plan(plan)
+
+
+def test_a_checkpoints_sha256_is_read_once_and_again_when_it_changes(tmp_path, monkeypatch):
+    """Freezing a plan names its checkpoint by sha256; a later command that finds the same file (same inode,
+    size, times) does not read it again, and a rewrite of the same size is hashed anew."""
+    from runner import _file_hashes
+
+    monkeypatch.setenv("RUNNER_CACHE_DIR", str(tmp_path / "cache"))
+    reads = []
+    monkeypatch.setattr(_file_hashes, "sha256_file", lambda path: reads.append(path) or sha256_file(path))
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 4096)
+    assert _file_hashes.cached_sha256(weights) == sha256_file(weights) and len(reads) == 1
+    assert _file_hashes.cached_sha256(weights) == sha256_file(weights) and len(reads) == 2  # changed just now
+
+    settled = time.time() - 60
+    os.utime(weights, (settled, settled))
+    first = _file_hashes.cached_sha256(weights)
+    assert _file_hashes.cached_sha256(weights) == first and len(reads) == 3  # remembered
+
+    weights.write_bytes(b"b" * 4096)  # same size; the times put back as they were
+    os.utime(weights, (settled, settled))
+    assert _file_hashes.cached_sha256(weights) == sha256_file(weights) != first and len(reads) == 4

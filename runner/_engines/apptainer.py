@@ -35,7 +35,8 @@ from .jobs import (
     write_request,
 )
 from .._errors import EngineError
-from .images import LABEL_LOCK, LABEL_STACK, cached_sha256
+from .._file_hashes import cached_sha256
+from .images import LABEL_LOCK, LABEL_STACK
 from .._paths import cache_dir
 from .._stacks import StackManifest
 

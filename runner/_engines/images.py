@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runner_contracts import sha256_file, write_atomic
+from runner_contracts import write_atomic
 
 from .jobs import file_lock, tree_hash
 from .._errors import EngineError, UserError
+from .._file_hashes import cached_sha256
 from .._paths import PROJECT_ROOT, cache_dir, local_packages
 from .._stacks import StackManifest, normalise, vcs_pins
 
@@ -340,18 +341,6 @@ def image_tag(manifest: StackManifest, inputs: dict[str, Any]) -> str:
         digest.update(path.name.encode() + b"\0" + cached_sha256(path).encode())
     digest.update(tree_hash(list(inputs["sources"].values())).encode())
     return f"runner-{manifest.image_name}:{digest.hexdigest()[:16]}"
-
-
-def cached_sha256(path: Path) -> str:
-    """sha256 of a large file (wheels, SIFs), memoised by (path, size, mtime) under the cache."""
-    stat = path.stat()
-    memo = cache_dir() / "images" / "file-hashes.json"
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    known = json.loads(memo.read_text()) if memo.is_file() else {}
-    if key not in known:
-        known[key] = sha256_file(path)
-        write_atomic(memo, json.dumps(known).encode())
-    return known[key]
 
 
 def build_stack_image(client: Any, manifest: StackManifest, *, flavour: str = "cpu",

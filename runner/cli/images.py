@@ -17,7 +17,6 @@ from .._engines.images import (
     context_inputs,
     base_for,
     build_stack_image,
-    cached_sha256,
     connect,
     extra_ca_certificates,
     list_stack_images,
@@ -25,6 +24,7 @@ from .._engines.images import (
     stack_definition,
     stack_image,
 )
+from .._file_hashes import cached_sha256
 from .._pins import record_image
 from .._stacks import get_stack
 from ._common import cli_errors, console, err_console, print_json
