@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
-from rich.markup import escape
 
 from qualification.gates import pooled_evaluation
 from runner_contracts import AnyPlan, DomainPlan, Evidence, Plan, read_record
@@ -56,6 +55,7 @@ def _short(value: Any) -> str:
 
 
 def gate_table(evidence: list[Evidence], title: str) -> Table:
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=title, show_lines=False)

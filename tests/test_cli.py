@@ -111,3 +111,18 @@ def test_the_installed_command_loads_one_command_and_keeps_exit_codes_and_output
     overview = subprocess.run([command, "--help"], capture_output=True, text=True, env={"COLUMNS": "200", "PATH": ""})
     assert overview.returncode == 0
     assert all(name in overview.stdout for name in ("qualify", "compare", "validate", "stacks", "bundle", "cancel"))
+
+
+def test_a_json_qualify_does_not_import_rich():
+    """`runner qualify --json` prints JSON and no progress: its command module, executor, stages and report, with
+    the quiet spinner and progress lines, leave rich unimported (~20 ms of every scripted command's start)."""
+    code = ("import sys; from runner.cli import build_app; build_app('qualify'); "
+            "from runner._console import progress, status; import runner._executors.local, runner._stages.probe; "
+            "s = status('x', quiet=True); s.__enter__(); p = progress(quiet=True).__enter__(); "
+            "p.update(p.add_task('x', total=1), completed=1); "
+            "print(sorted(m for m in sys.modules if m == 'rich' or m.startswith('rich.')))")
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert imported.strip() == "[]"
+    shown = subprocess.run([sys.executable, "-c", code.replace("quiet=True", "quiet=False")], capture_output=True,
+                           text=True, check=True).stdout
+    assert "rich.progress" in shown  # the same calls without --json do show progress

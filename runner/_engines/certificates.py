@@ -15,7 +15,6 @@ import hashlib
 import os
 import re
 import shutil
-import ssl
 import subprocess
 import tempfile
 from pathlib import Path
@@ -41,6 +40,8 @@ def certificate_env() -> dict[str, str]:
         return {"SSL_CERT_DIR": str(folder)} if folder is not None else {"SSL_CERT_FILE": bundle}
     if os.environ.get("SSL_CERT_DIR"):
         return {"SSL_CERT_DIR": os.environ["SSL_CERT_DIR"]}
+    import ssl  # ~3 ms, and only a host that sets neither variable needs it
+
     default = ssl.get_default_verify_paths().openssl_capath
     return {"SSL_CERT_DIR": default} if default and _is_hashed(Path(default)) else {}
 
@@ -49,17 +50,17 @@ def certificate_env() -> dict[str, str]:
 def _hashed_copy(bundle: str, mtime_ns: int, size: int) -> Path | None:
     """The bundle's certificates in a hashed directory under the user cache (None when none can be made);
     keyed by content, and by path, time and size for this process."""
-    openssl = shutil.which("openssl")
     try:
         data = Path(bundle).read_bytes()
     except OSError:
         return None
-    certificates = [match.group(0) for match in _PEM.finditer(data)]
-    if openssl is None or not certificates:
-        return None
     folder = cache_dir() / "ca-certificates" / hashlib.sha256(data).hexdigest()[:16]
     if folder.is_dir():  # renamed into place whole
         return folder
+    openssl = shutil.which("openssl")
+    certificates = [match.group(0) for match in _PEM.finditer(data)]
+    if openssl is None or not certificates:
+        return None
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=".build-", dir=folder.parent) as scratch:

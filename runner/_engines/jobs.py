@@ -83,14 +83,24 @@ def tree_hash(roots: list[Path]) -> str:
     """sha256 over the source files (path + bytes) of our local packages, build outputs excluded."""
     digest = hashlib.sha256()
     for root in roots:
-        for path in sorted(root.rglob("*")) if root.is_dir() else [root]:
-            rel = path.relative_to(root).as_posix() if root.is_dir() else path.name
-            if not path.is_file() or any(part.endswith(".egg-info") or part in ("build", "__pycache__")
-                                         for part in Path(rel).parts):
-                continue
+        for rel in _source_files(root) if root.is_dir() else [root.name] if root.is_file() else []:
             digest.update(f"{root.name}/{rel}\0".encode())
-            digest.update(path.read_bytes())
+            digest.update((root / rel).read_bytes() if root.is_dir() else root.read_bytes())
     return digest.hexdigest()
+
+
+def _is_build_output(name: str) -> bool:
+    return name in ("build", "__pycache__") or name.endswith(".egg-info")
+
+
+def _source_files(root: Path) -> list[str]:
+    """The files under `root` as relative posix paths in path order, build-output folders not entered."""
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if not _is_build_output(name)]
+        prefix = os.path.relpath(folder, root).replace(os.sep, "/")
+        found += [name if prefix == "." else f"{prefix}/{name}" for name in files if not _is_build_output(name)]
+    return sorted(found, key=lambda rel: rel.split("/"))
 
 
 @contextlib.contextmanager

@@ -7,11 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
 from runner_contracts import Plan
 
-from .._console import err_console
+from .._console import progress, status
 from .._engines import make_engine
 from .._report import write_report
 from .._stacks import StackManifest
@@ -50,18 +48,18 @@ class LocalExecutor:
         """Prepares and runs one arm with a progress line per stage; writes its report and returns it."""
         check_run_dir(target, plan)
         target.mkdir(parents=True, exist_ok=True)
-        with err_console.status(f"preparing the {manifest.name} environment(s)"):
+        with status(f"preparing the {manifest.name} environment(s)", quiet=self.quiet):
             arm = prepare_arm(manifest, self.engine, plan, target)
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=err_console, disable=self.quiet) as progress:
-            lines = {stage: progress.add_task(f"{manifest.name} {stage}: waiting", total=1) for stage in selected}
+        with progress(quiet=self.quiet) as lines_on_stderr:
+            lines = {stage: lines_on_stderr.add_task(f"{manifest.name} {stage}: waiting", total=1)
+                     for stage in selected}
 
-            def on_stage(stage: str, status: str) -> None:
-                progress.update(lines[stage], description=f"{manifest.name} {stage}: "
-                                                          f"{'running' if status == 'start' else status}",
-                                completed=0 if status == "start" else 1)
+            def on_stage(stage: str, state: str) -> None:
+                lines_on_stderr.update(lines[stage], description=f"{manifest.name} {stage}: "
+                                                                 f"{'running' if state == 'start' else state}",
+                                       completed=0 if state == "start" else 1)
 
-            arm.on_event = lambda stage, message: progress.update(
+            arm.on_event = lambda stage, message: lines_on_stderr.update(
                 lines[stage], description=f"{manifest.name} {stage}: {message}")
             run_arm(arm, selected, on_stage, resume=resume)
         return write_report(target)

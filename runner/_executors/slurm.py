@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
 from runner_contracts import Evidence, Plan, RecordError, read_record, write_atomic, write_record
 
-from .._console import err_console
+from .._console import progress as progress_lines
 from .._errors import EngineError, UserError
 from .._report import write_report
 from .._stacks import StackManifest
@@ -83,8 +81,7 @@ class SlurmExecutor:
 
 def follow_with_progress(target: Path, *, quiet: bool) -> dict[str, Any]:
     """Follows the run's Slurm jobs with one line per job (state, reason, stages done)."""
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
-                  disable=quiet) as progress:
+    with progress_lines(quiet=quiet) as progress:
         lines: dict[str, Any] = {}
 
         def update(current: dict[str, Any]) -> None:

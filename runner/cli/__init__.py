@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import signal
 import sys
@@ -57,8 +58,13 @@ def _terminate(signum, frame) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, _terminate)
+    app = build_app(sys.argv[1] if len(sys.argv) > 1 else None)
+    # What start-up made lives as long as the command: out of the collector's sight, which runner._main
+    # turned off for the start-up.
+    gc.freeze()
+    gc.enable()
     try:
-        build_app(sys.argv[1] if len(sys.argv) > 1 else None)()
+        app()
     except SystemExit as exit:
         code = exit.code
     else:

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.markup import escape
 
 from .._console import console, err_console
 from .._errors import EngineError, UserError, is_disk_full
@@ -40,6 +39,8 @@ def cli_errors() -> Iterator[None]:
 
 
 def _print_error(message: str) -> None:
+    from rich.markup import escape
+
     err_console.print(f"[red]error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
 
 

@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from .._compare import pin_lines, table_rows
+from .._console import status
 from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
@@ -70,7 +71,7 @@ def compare(
                                quiet=json_output, log=logger(json_output))
         selected = {m.name: parse_stages(stages, tuple(s for s in m.stages if s in RECIPE_STAGES[plan.recipe]),
                                          m.name) for m in manifests}
-        with err_console.status("preparing the policy"):
+        with status("preparing the policy", quiet=json_output):
             frozen = resolve_policy(plan, LocalEngine(log=logger(json_output)))
         stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         target = target or writable_run_dir(Path("runs") / f"{stamp}-compare-{re.sub(r'[^A-Za-z0-9_.-]', '_', frozen.name)}")

@@ -8,6 +8,7 @@ import typer
 
 from runner_contracts import AnyPlan, DomainPlan
 
+from .._console import status
 from .._engines.local import LocalEngine
 from .._errors import UserError
 from .._executors import Submitted, make_executor
@@ -116,7 +117,7 @@ def qualify(
             raise UserError("--resume needs --run-dir: the run to continue")
         runner = make_executor(executor, engine=engine, images={stack: image} if image else None, cluster=cluster,
                                dry_run=dry_run, follow=follow_jobs, quiet=json_output, log=logger(json_output))
-        with err_console.status("preparing the policy"):
+        with status("preparing the policy", quiet=json_output):
             frozen = resolve_policy(plan, LocalEngine(log=logger(json_output)))
         target = target or writable_run_dir(default_run_dir(stack, frozen))
         data = runner.qualify(manifest, frozen, target, selected, all_stages=not stages, resume=resume)
