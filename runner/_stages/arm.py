@@ -69,11 +69,19 @@ class Arm:
     arm_dir: Path | None = None  # a trial's arm folder, where the stages run once per arm are
     current_stage: str | None = None  # set by run_stage
     stage_deadline: float | None = None  # time.monotonic() by which the current stage's jobs must end
+    stage_jobs_s: float = 0.0  # wall seconds of the current stage's adapter jobs so far
 
     def start_stage(self, stage: str) -> None:
         """The stage's clock: all of its jobs together get the plan's budget.wall_clock_s."""
         self.current_stage = stage
         self.stage_deadline = time.monotonic() + self.plan.budget.wall_clock_s
+        self.stage_jobs_s = 0.0
+
+    def run_job(self, env: StackEnvironment, request: StageRequest, **options: Any) -> RunOutcome:
+        """engine.run, its wall seconds counted in the stage's evidence (metrics.adapter_jobs_s)."""
+        outcome = self.engine.run(env, request, **options)
+        self.stage_jobs_s += outcome.seconds
+        return outcome
 
     def time_left(self) -> float:
         """Seconds the current stage's jobs have left together (the plan's wall_clock_s outside a stage)."""
@@ -211,7 +219,7 @@ def run_adapter(arm: Arm, stage: str, out_dir: Path, *, steps: int | None = None
         raise AdapterFailed(ErrorInfo(kind="timeout", message=f"{arm.current_stage or stage} used up the plan's "
                                       f"wall_clock_s ({arm.plan.budget.wall_clock_s:g} s per stage) before its "
                                       f"{stage} job"))
-    outcome = arm.engine.run(env, request, timeout_s=left, kill_when=kill_when, peer=peer)
+    outcome = arm.run_job(env, request, timeout_s=left, kill_when=kill_when, peer=peer)
     for log in (outcome.stdout, outcome.stderr):
         redact_file(log)
     if not outcome.ok and uses_service:

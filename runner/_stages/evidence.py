@@ -53,7 +53,8 @@ def write_stage_evidence(arm: Arm, stage: str, output: StageOutput, started: str
     folder = arm.stage_dir(stage)
     evidence = Evidence(
         run_id=arm.run_id, stack=arm.manifest.name, stage=stage, plan_id=arm.plan.plan_id or "", status=status,
-        started_at=started, finished_at=now(), environment=arm.environment, metrics=output.metrics,
+        started_at=started, finished_at=now(), environment=arm.environment,
+        metrics={**output.metrics, "adapter_jobs_s": round(arm.stage_jobs_s, 3)},
         artifacts=artifacts(arm, folder), checkpoints=output.checkpoints, gates=output.gates, error=output.error,
         provenance=_provenance(arm))
     write_record_redacted(folder / "evidence.json", evidence)

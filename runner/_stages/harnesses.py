@@ -72,7 +72,7 @@ def _probe(arm: Arm, manifest: StackManifest, env: StackEnvironment,
     """The harness's environment checked as a stack's probe is (lock, Python, upstream, pins, nothing foreign)."""
     request = StageRequest(run_id=arm.run_id, stack=manifest.name, stage="probe", plan=arm.request_plan(),
                            out_dir=str(folder.resolve()))
-    outcome = arm.engine.run(env, request, timeout_s=max(arm.time_left(), 1.0))
+    outcome = arm.run_job(env, request, timeout_s=max(arm.time_left(), 1.0))
     result, reason = _result(folder, outcome)
     if result is None or result.environment is None:
         return None, [GateResult(name=f"harness:{manifest.name}:probe", passed=False,
@@ -100,7 +100,7 @@ def _run_one(arm: Arm, env: StackEnvironment, spec: HarnessSpec, task: Path, lab
                                out_dir=str(folder.resolve()), policy_dir=str(policy.resolve()),
                                options={"policy_url": service.url, "task": str(task.resolve()), "label": label,
                                         "metric": spec.metric, "limit": spec.limit})
-        outcome = arm.engine.run(env, request, timeout_s=max(arm.time_left(), 1.0), peer=service)
+        outcome = arm.run_job(env, request, timeout_s=max(arm.time_left(), 1.0), peer=service)
     finally:
         service.stop()
     result, reason = _result(folder, outcome)
