@@ -23,6 +23,7 @@ HOST_PACKAGES = ("runner", "runner-contracts", "runner-qualification", "msgspec"
                  "spython")
 
 
+@functools.cache  # once per process: a comparison's arms share the checkout
 def _git_source() -> tuple[str | None, bool | None]:
     """(commit, dirty) of the runner's checkout; (None, None) outside a git checkout."""
     def git(*args: str) -> subprocess.CompletedProcess:
@@ -38,13 +39,12 @@ def _git_source() -> tuple[str | None, bool | None]:
     return commit.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
 
 
-@functools.cache
-def look_up_source() -> Future:
-    """Starts the git lookup once per process, in the background: a command calls it first thing, so the
-    ~35 ms of git run while its first stage does."""
+def provenance_in_background(plan: AnyPlan) -> Future[Provenance]:
+    """provenance(plan) on a thread of its own: an arm starts it first thing, so its ~40 ms (git, each host
+    package's version read from its metadata) run while the first stage's job does."""
     pool = ThreadPoolExecutor(1, thread_name_prefix="provenance")
     try:
-        return pool.submit(_git_source)
+        return pool.submit(provenance, plan)
     finally:
         pool.shutdown(wait=False)
 
@@ -78,7 +78,7 @@ def _family_line(name: str) -> str:
 
 
 def provenance(plan: AnyPlan) -> Provenance:
-    commit, dirty = look_up_source().result()
+    commit, dirty = _git_source()
     if isinstance(plan, DomainPlan):  # no task families, no chat template: the data is the stack's own recipe
         return Provenance(runner_version=_version("runner") or "unknown", git_commit=commit, git_dirty=dirty,
                           command=list(sys.argv), python=platform.python_version(),

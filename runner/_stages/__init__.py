@@ -11,7 +11,7 @@ from collections.abc import Callable
 from runner_contracts import ErrorInfo, Evidence, RecordError, write_record
 
 from .._errors import DiskFull, EngineError, is_disk_full
-from .._provenance import look_up_source
+from .._provenance import provenance_in_background
 from .arm import TRIAL_STAGES, AdapterFailed, Arm, StageOutput, default_run_dir, now, prepare_arm, trial_dir
 from .evidence import (
     DISK_FULL_MARK,
@@ -93,7 +93,7 @@ def run_arm(arm: Arm, stages: list[str], on_stage: Callable[[str, str], None] | 
     if every stage passed, the train and evaluate stages again for each further plan seed (a trial each,
     under seeds/seed-<n>/). With `resume`, stages that already passed in this run directory are kept, and
     a stage left behind by an interrupted run is set aside (marked) and run again."""
-    look_up_source()  # the evidence's git provenance, looked up while the first stage runs
+    arm.provenance = provenance_in_background(arm.plan)  # made while the first stage runs
     write_record(arm.run_dir / "plan.json", arm.plan)
     try:
         results = _run_stages(arm, stages, on_stage or (lambda stage, status: None), resume)

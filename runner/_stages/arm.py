@@ -7,6 +7,7 @@ import datetime as dt
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ class Arm:
     service: Service | None = None
     interrupted: dict[str, Path] = field(default_factory=dict)  # stage -> its set-aside interrupted attempt
     gpu_env: StackEnvironment | None = None
-    provenance: Provenance | None = None  # computed once per arm, written into each stage's evidence
+    provenance: Future[Provenance] | None = None  # made once per arm, written into each stage's evidence
     trial_seed: int | None = None  # the plan seed this arm's train and evaluate stages sample with
     arm_dir: Path | None = None  # a trial's arm folder, where the stages run once per arm are
     current_stage: str | None = None  # set by run_stage

@@ -13,20 +13,21 @@ from runner_contracts import (
     EnvironmentInfo,
     ErrorInfo,
     Evidence,
+    Provenance,
     RecordError,
     read_record,
     sha256_file,
 )
 
-from .._provenance import provenance
+from .._provenance import provenance_in_background
 from .._secrets import write_record_redacted
 from .arm import Arm, StageOutput, now
 
 
-def _provenance(arm: Arm):
+def _provenance(arm: Arm) -> Provenance:
     if arm.provenance is None:
-        arm.provenance = provenance(arm.plan)
-    return arm.provenance
+        arm.provenance = provenance_in_background(arm.plan)
+    return arm.provenance.result()
 
 
 def artifacts(arm: Arm, folder: Path) -> list[Artifact]:
