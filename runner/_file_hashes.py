@@ -24,7 +24,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def cached_sha256(path: Path) -> str:
     """The file's sha256, read from the cache when the file is the one it was hashed as."""
-    key = _identity(path)
+    key = _identity(path, os.stat(path))
     memo = cache_dir() / "file-hashes" / key
     try:
         known = memo.read_text()
@@ -33,7 +33,8 @@ def cached_sha256(path: Path) -> str:
     if _SHA256.fullmatch(known):
         return known
     digest = sha256_file(path)
-    if _identity(path) == key and time.time() - path.stat().st_mtime > SETTLED_S:
+    after = os.stat(path)  # unchanged while it was read, and not changed just now
+    if _identity(path, after) == key and time.time() - after.st_mtime > SETTLED_S:
         try:
             write_atomic(memo, digest.encode())
         except OSError:  # a cache that cannot be written costs a rehash next time, nothing else
@@ -41,7 +42,6 @@ def cached_sha256(path: Path) -> str:
     return digest
 
 
-def _identity(path: Path) -> str:
-    stat = os.stat(path)
+def _identity(path: Path, stat: os.stat_result) -> str:
     fields = (os.path.realpath(path), stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
     return hashlib.sha256("\0".join(map(str, fields)).encode()).hexdigest()[:32]

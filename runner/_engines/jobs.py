@@ -83,9 +83,11 @@ def tree_hash(roots: list[Path]) -> str:
     """sha256 over the source files (path + bytes) of our local packages, build outputs excluded."""
     digest = hashlib.sha256()
     for root in roots:
-        for rel in _source_files(root) if root.is_dir() else [root.name] if root.is_file() else []:
+        files = ([(rel, root / rel) for rel in _source_files(root)] if root.is_dir()
+                 else [(root.name, root)] if root.is_file() else [])
+        for rel, path in files:
             digest.update(f"{root.name}/{rel}\0".encode())
-            digest.update((root / rel).read_bytes() if root.is_dir() else root.read_bytes())
+            digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
