@@ -34,7 +34,7 @@ import traceback
 import types
 from pathlib import Path
 
-from runner_kit.processes import die_with_parent, kill_tree, spawn
+from runner_kit.processes import die_with_parent, freeze_heap, kill_tree, spawn
 
 log = logging.getLogger("runner_kit.prefork")
 
@@ -390,6 +390,7 @@ def serve(name: str, launcher_dir: str, script: str, warm_modules: list[str]) ->
                     continue
                 for stream in (sys.stdout, sys.stderr):
                     stream.flush()
+                freeze_heap()
                 pid = os.fork()
                 if pid == 0:
                     signal.set_wakeup_fd(-1)

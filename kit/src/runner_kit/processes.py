@@ -7,6 +7,7 @@ what is here keeps an adapter's own servers in step with the adapter while it ru
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import signal
@@ -23,7 +24,8 @@ from runner_contracts.processes import descendants, die_with_parent, end_process
 
 HOST = "127.0.0.1"
 
-__all__ = ["HOST", "ServerProcess", "SocketServer", "bind_loopback", "descendants", "die_with_parent", "free_port", "kill_tree",
+__all__ = ["HOST", "ServerProcess", "SocketServer", "bind_loopback", "descendants", "die_with_parent", "free_port", "freeze_heap",
+           "kill_tree",
            "spawn", "wait_until"]
 
 
@@ -42,6 +44,15 @@ def bind_loopback(port: int = 0, backlog: int = 256) -> socket.socket:
         sock.listen(backlog)
         return sock
     raise OSError(f"no free port on {HOST}")
+
+
+def freeze_heap() -> None:
+    """Takes every object alive now out of the cyclic collector's reach (gc.freeze): a full collection then
+    walks only what was allocated since, not the imports. For a long-lived server once it has imported what it
+    serves with, and for a fork server before each fork (its children inherit the frozen heap). Measured: NeMo
+    Gym's model and agent servers, forked after importing NeMo Gym, each ran a ~0.3 s full collection in the
+    middle of a train stage's rollouts; 5-13 ms with the heap frozen."""
+    gc.freeze()
 
 
 def free_port() -> int:

@@ -20,6 +20,8 @@ import socket
 import sys
 import urllib.parse
 
+from runner_kit.processes import freeze_heap
+
 from .verl_launch import hydra_string
 
 
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"refusing to serve on {host}: the socket must be bound to 127.0.0.1")
     app = build_app(key=args.key, model=args.model, temperature=args.temperature)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=120)
+    freeze_heap()
     uvicorn.Server(config).run(sockets=[sock])
 
 

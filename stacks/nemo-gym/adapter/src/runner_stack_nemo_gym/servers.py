@@ -31,6 +31,7 @@ from nemo_gym.base_resources_server import (
 from nemo_gym.server_utils import SESSION_ID_KEY
 from qualification.tasks import TaskItem, ToolCall, Transcript, get_family
 from responses_api_models.vllm_model.app import VLLMModel
+from runner_kit.processes import freeze_heap
 
 EPISODE_HEADER = "X-Episode-ID"
 
@@ -230,6 +231,7 @@ class EpisodeVLLMModel(VLLMModel):
 
 
 def main(kind: str, server_class: str | None = None) -> None:
+    freeze_heap()
     if kind == "resources" and server_class:  # a team's own resources server (module:Class), as it is
         from runner_kit.native import load_asset
 

@@ -28,6 +28,7 @@ from runner_contracts import (
 )
 from runner_kit.continuity import chain_calls
 from runner_kit.policy_server import CallHold, PolicyServer
+from runner_kit.processes import freeze_heap
 from runner_kit.rollout import post_rollouts
 
 from .grpo import Recorder, get_item_id, task_rows, training_metrics
@@ -202,6 +203,7 @@ def train(request: StageRequest) -> StageResult:
     recorder = _recorder(request)
     trainer, bridge = build_bridge(request, Path(request.policy_dir), Path(request.out_dir) / "checkpoints",
                                    steps=steps, recorder=recorder)
+    freeze_heap()  # the imports and the loaded model: no full collection walks them mid-step
     ok = False
     try:
         trainer.train(resume_from_checkpoint=request.resume_from)

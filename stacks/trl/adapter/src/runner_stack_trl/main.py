@@ -18,6 +18,7 @@ from runner_contracts import (
     StageResult,
     sha256_file,
 )
+from runner_kit.processes import freeze_heap
 from runner_kit.tool_formats import malformed_call, render_tool_calls
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -211,6 +212,7 @@ def train(request: StageRequest) -> StageResult:
     recorder = _recorder(request, checkpoint_dir)
     trainer = build_trainer(request.plan, Path(request.policy_dir), checkpoint_dir, steps=steps, recorder=recorder,
                             train_items=_train_rows(request))
+    freeze_heap()  # the imports and the loaded model: no full collection walks them mid-step
     ok = False
     try:
         trainer.train(resume_from_checkpoint=request.resume_from)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from runner_kit.prefork import OPENAI_MODULES, start_prefork
-from runner_kit.processes import die_with_parent
+from runner_kit.processes import die_with_parent, freeze_heap
 
 # What the null harness's chat program imports beyond the OpenAI SDK's: warmed in its fork server.
 CHAT_PROGRAM_MODULES = [*OPENAI_MODULES, "argparse", "tenacity", "httpx2", "httpcore2", "truststore", "mcp",
@@ -102,6 +102,7 @@ def main(argv: list[str]) -> int:
     if prefork is not None:
         use_environment_python_for_chat_program(str(prefork[1]))
     server = EnvServer(env_config() if native is None else native_env_config(native), address="tcp://127.0.0.1:0", max_concurrent=max_concurrent)
+    freeze_heap()
 
     async def serve() -> None:
         task = asyncio.create_task(server.run())
