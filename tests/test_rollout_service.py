@@ -22,6 +22,7 @@ from qualification.tasks import get_family
 from runner_contracts import (
     EpisodeSpec,
     PolicyCall,
+    RolloutPrepare,
     RolloutRequest,
     RolloutResponse,
     SamplingSpec,
@@ -33,7 +34,14 @@ from runner_kit.http import HttpError, get_json, post_json
 from runner_kit.policy import openai_tools
 from runner_kit.tool_formats import parse_tool_calls
 from runner_kit.reference_backend import ReferenceBackend
-from runner_kit.rollout import BatchRunner, EnvironmentDown, PolicyEndpoint, RolloutService, post_to_environment
+from runner_kit.rollout import (
+    BatchRunner,
+    EnvironmentDown,
+    PolicyEndpoint,
+    RolloutService,
+    announce_policy,
+    post_to_environment,
+)
 from runner_kit.scripted_policy import ScriptedPolicyServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +149,37 @@ def test_the_service_warms_its_backend_up_in_the_background_and_serves_meanwhile
         assert "warm-up failed: ImportError: no module named heavy_upstream" in stderr
     else:
         assert re.search(r"warmed up in \d+\.\d s", stderr)
+
+
+class _PreparingBackend(ReferenceBackend):
+    """The reference backend recording what POST /prepare asked for, as a backend that starts servers would."""
+
+    def __init__(self):
+        super().__init__()
+        self.prepared: list[tuple] = []
+        self.done = threading.Event()
+
+    def prepare(self, policy, families, max_turns):
+        self.prepared.append((policy, families, max_turns))
+        self.done.set()
+
+
+def test_the_service_prepares_for_an_announced_policy_in_the_background_and_refuses_a_bad_announcement():
+    backend = _PreparingBackend()
+    sampling = SamplingSpec(temperature=0.7)
+    with RolloutService(backend) as service:
+        assert announce_policy(service.url, RolloutPrepare(
+            policy_base_url="http://127.0.0.1:9/v1", tokenizer_dir="/ckpt", sampling=sampling,
+            families=["calc-tool"], max_turns=3)) is None
+        assert backend.done.wait(5)
+        with pytest.raises(HttpError) as bad:
+            post_json(service.url + "/prepare", {"policy_base_url": "http://127.0.0.1:9/v1", "families": "calc-tool"})
+        assert bad.value.status == 422 and "rollout-prepare" in str(bad.value)
+    assert backend.prepared == [(PolicyEndpoint(base_url="http://127.0.0.1:9/v1", model="policy", sampling=sampling,
+                                                tokenizer_dir="/ckpt"), ["calc-tool"], 3)]
+    # Advisory: a service that is gone (or predates /prepare) is a reason, not an exception.
+    assert "Connection refused" in announce_policy(service.url, RolloutPrepare(
+        policy_base_url="http://127.0.0.1:9/v1", sampling=sampling, families=["calc-tool"], max_turns=3))
 
 
 def test_policy_calls_need_an_episode_and_every_channel_works():

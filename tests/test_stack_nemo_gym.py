@@ -63,6 +63,9 @@ def cmdline(pid):
 try:
     policy = PolicyEndpoint(base_url=args["base_url"], model="scripted-policy",
                             sampling=msgspec.convert(args["sampling"], SamplingSpec))
+    # What the trainer's POST /prepare does before its first batch: the harness servers start now.
+    backend.prepare(policy, sorted({e.family for e in episodes}), episodes[0].max_turns)
+    prepared = sorted(s.process.pid for s in backend._servers.values() if s.kind != "resources" and s.alive())
     with ThreadPoolExecutor(4) as pool:
         for result in pool.map(lambda episode: backend.run_episode(episode, policy), episodes):
             print(json.dumps(msgspec.to_builtins(result)), flush=True)
@@ -79,12 +82,12 @@ def exists(pid):  # a zombie waiting for init to reap it is gone
     except FileNotFoundError:
         return False
 everything = [fork_server, *launchers, *resources, *forks]
-print(json.dumps({"launchers": launchers, "forks": forks, "same_program": same_program, "resources": resources,
+print(json.dumps({"prepared": prepared, "launchers": launchers, "forks": forks, "same_program": same_program, "resources": resources,
                   "alive_after_stop": [p for p in everything if exists(p)]}))
 """
 
 
-def test_scripted_episodes_score_as_the_reference(env):
+def test_scripted_episodes_score_as_the_reference_on_the_servers_prepare_started(env):
     episodes, cases = scripted_episodes()
     with ScriptedPolicyServer({e: c[2]["turns"] for e, c in cases.items()}) as policy:
         args = {"base_url": policy.base_url, "sampling": msgspec.to_builtins(SAMPLING),
@@ -102,6 +105,8 @@ def test_scripted_episodes_score_as_the_reference(env):
     assert all(processes["same_program"]), processes
     assert processes["resources"] and not set(processes["resources"]) & set(processes["forks"]), processes
     assert processes["alive_after_stop"] == []
+    # prepare() started every model server and agent the episodes then used, before any episode ran.
+    assert processes["prepared"] == sorted(processes["launchers"]), processes
     # Every call names its episode twice (header X-Episode-ID, which the policy server reads first, and
     # body metadata.episode_id), and carries the family's tools exactly as openai_tools renders them.
     assert_scripted_results([json.loads(line) for line in lines], cases, calls, "header")

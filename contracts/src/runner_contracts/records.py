@@ -543,6 +543,22 @@ class RolloutRequest(Record, kw_only=True):
     episode_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = DEFAULT_EPISODE_TIMEOUT_S
 
 
+class RolloutPrepare(Record, kw_only=True):
+    """POST /prepare: the policy endpoint the coming batches will call, sent by the trainer as soon as it serves
+    it, so the service starts what waits for that address (e.g. NeMo Gym's model server and agent) while the
+    trainer loads instead of during the first batch. Advisory: a batch starts whatever is still missing."""
+
+    contract: Literal["rollout-prepare"] = "rollout-prepare"
+    version: int = 1
+    policy_base_url: str  # ends in /v1
+    policy_model: str = "policy"
+    tokenizer_dir: str | None = None
+    tool_format: ToolFormat = "hermes"
+    sampling: SamplingSpec
+    families: list[str]  # the task families the batches' episodes belong to
+    max_turns: Annotated[int, msgspec.Meta(ge=1)]
+
+
 class ToolCallRecord(Record, kw_only=True):
     name: str
     arguments: dict[str, Any]
@@ -627,6 +643,7 @@ RECORD_TYPES: dict[str, type[Record]] = {
     "teacher-sample": TeacherSample,
     "episode-spec": EpisodeSpec,
     "rollout-request": RolloutRequest,
+    "rollout-prepare": RolloutPrepare,
     "episode-result": EpisodeResult,
     "rollout-response": RolloutResponse,
     "policy-call": PolicyCall,

@@ -7,14 +7,15 @@ handles the stages an environment stack runs itself:
 - probe: python, installed packages, upstream version, capabilities;
 - service: every scripted case of the plan's families through run_episode against a ScriptedPolicyServer
   (service.jsonl), so the stack's native scoring is checked against the reference scorer;
-- serve: the long-running rollout service on 127.0.0.1 (GET /health, GET /info, POST /rollouts); it writes
-  service.json {url, pid} when ready and stops on SIGTERM.
+- serve: the long-running rollout service on 127.0.0.1 (GET /health, GET /info, POST /prepare, POST
+  /rollouts); it writes service.json {url, pid} when ready and stops on SIGTERM.
 
 POST /rollouts takes a RolloutRequest and answers a RolloutResponse with exactly one EpisodeResult per
 requested episode: an episode whose environment went down (EnvironmentDown), or that gave no result within
 episode_timeout_s (the environment is then killed first: a hung server may still pass its health check), is
 retried after a restart up to max_attempts, then reported as failed; none is dropped. See
-docs/rollout-service.md.
+docs/rollout-service.md. POST /prepare (a RolloutPrepare, advisory) names the policy endpoint ahead of the first
+batch, so the backend starts what waits for that address while the trainer loads.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from runner_contracts import (
     ErrorInfo,
     Hardware,
     JsonlWriter,
+    RolloutPrepare,
     RolloutRequest,
     RolloutResponse,
     SamplingSpec,
@@ -140,6 +142,11 @@ class RolloutBackend:
         """Optional: loads what the first episode would otherwise load (a heavy import, a server that waits
         for the policy's address). The rollout service calls it in the background once it is up, so it
         overlaps the trainer's start instead of the first batch; it must be safe to run alongside episodes."""
+
+    def prepare(self, policy: PolicyEndpoint, families: list[str], max_turns: int) -> None:
+        """Optional: starts what episodes of `families` against `policy` will need and that waits for its address
+        (a server configured with the policy's URL). The service runs it on a thread when the trainer announces
+        its policy (POST /prepare), so it overlaps the trainer's start; episodes may run alongside it."""
 
     def run_episode(self, episode: EpisodeSpec, policy: PolicyEndpoint) -> EpisodeResult:
         raise NotImplementedError
@@ -303,6 +310,12 @@ def reachability(read_only_inputs: list[str] | tuple[str, ...] = (), host: str =
 # --- running batches -----------------------------------------------------------------------------------
 
 
+def policy_endpoint(request: RolloutRequest | RolloutPrepare) -> PolicyEndpoint:
+    """The policy a rollout request (or a prepare) names."""
+    return PolicyEndpoint(base_url=request.policy_base_url, model=request.policy_model, sampling=request.sampling,
+                          tokenizer_dir=request.tokenizer_dir, tool_format=request.tool_format)
+
+
 class BatchRunner:
     """Runs a RolloutRequest's episodes on a backend: concurrency, retries after an environment crash
     (the environment restarted once per crash), a bounded time per attempt."""
@@ -314,9 +327,7 @@ class BatchRunner:
 
     def run(self, request: RolloutRequest) -> RolloutResponse:
         started = time.monotonic()
-        policy = PolicyEndpoint(base_url=request.policy_base_url, model=request.policy_model,
-                                sampling=request.sampling, tokenizer_dir=request.tokenizer_dir,
-                                tool_format=request.tool_format)
+        policy = policy_endpoint(request)
         counter = {"restarts": 0}
         counter_lock = threading.Lock()
 
@@ -401,6 +412,16 @@ def _probe(backend: RolloutBackend, request: StageRequest) -> StageResult:
                        capabilities=list(backend.capabilities),
                        metrics={"episode_id_channel": backend.episode_id_channel,
                                 "reach": reachability([request.policy_dir] if request.policy_dir else [])})
+
+
+def announce_policy(service_url: str, prepare: RolloutPrepare) -> str | None:
+    """POST /prepare: None when the service took it, else why not (advisory: the first batch starts what is
+    missing, so the caller goes on either way)."""
+    try:
+        post_json(f"{service_url}/prepare", msgspec.to_builtins(prepare), timeout=10)
+    except (OSError, HttpError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def post_rollouts(service_url: str, batch: RolloutRequest, *, timeout: float) -> RolloutResponse:
@@ -511,8 +532,10 @@ class RolloutService:
         self.server = JsonServer([
             ("GET", "/health", lambda call: Reply(body={"status": "ok"})),
             ("GET", "/info", lambda call: Reply(body=msgspec.to_builtins(self.info))),
+            ("POST", "/prepare", self._prepare),
             ("POST", "/rollouts", self._rollouts),
         ])
+        self._preparing: list[threading.Thread] = []
 
     @property
     def url(self) -> str:
@@ -525,6 +548,26 @@ class RolloutService:
             raise HttpError(422, f"not a rollout-request: {error}") from None
         with self._batch_lock:  # restarts are counted per batch
             return Reply(body=msgspec.to_builtins(self.runner.run(batch)))
+
+    def _prepare(self, call: Call) -> Reply:
+        try:
+            prepare = msgspec.convert(call.body, RolloutPrepare)
+        except msgspec.ValidationError as error:
+            raise HttpError(422, f"not a rollout-prepare: {error}") from None
+        thread = threading.Thread(target=self._run_prepare, args=(prepare,), name="prepare", daemon=True)
+        self._preparing.append(thread)
+        thread.start()
+        return Reply(202, {"status": "preparing"})
+
+    def _run_prepare(self, prepare: RolloutPrepare) -> None:
+        started = time.monotonic()
+        try:
+            self.backend.prepare(policy_endpoint(prepare), prepare.families, prepare.max_turns)
+        except Exception as error:  # noqa: BLE001 - the first batch meets the same fault and reports it
+            print(f"rollout service: prepare failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            return
+        print(f"rollout service: prepared for {prepare.policy_base_url} in {time.monotonic() - started:.1f} s",
+              file=sys.stderr, flush=True)
 
     def __enter__(self) -> RolloutService:
         self.backend.start()
@@ -544,7 +587,8 @@ class RolloutService:
 
     def __exit__(self, *exc: Any) -> None:
         self.server.stop()
-        self._warming.join()  # the backend stops after its warm-up, not while it runs
+        for thread in [self._warming, *self._preparing]:  # the backend stops after them, not while they run
+            thread.join()
         self.backend.stop()
 
 

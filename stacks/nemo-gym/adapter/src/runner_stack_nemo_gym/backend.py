@@ -9,8 +9,9 @@ and build a venv per server from PyPI):
   Completions path);
 - a stock `simple_agent` per (family, policy, max_turns): its `max_steps` is a server setting.
 
-The model server and the agent wait for the first episode that needs them (they need the policy's address and
-max_turns; each stage's trainer serves the policy at a new address, so each stage starts its own). They are
+The model server and the agent wait for the policy's address and max_turns (each stage's trainer serves the
+policy at a new address, so each stage starts its own): the trainer announces them (POST /prepare, `prepare()`)
+while it loads, else the first episode that needs them starts them. They are
 forks of a fork server that imported NeMo Gym once at start (runner_kit.prefork): a stage's first batch
 neither waits for two cold imports (~4 s of CPU each) nor shares the two cores with them. The resources
 servers, the environment the host kills and restarts, are plain processes of their own.
@@ -115,8 +116,8 @@ class NemoGymBackend(RolloutBackend):
 
     def start(self) -> None:
         """Starts the resources servers of `families` and waits until they answer. The model server and
-        the agents depend on the policy endpoint and max_turns, so they start with the first episode that
-        needs them, as does the resources server of a family not named here."""
+        the agents depend on the policy endpoint and max_turns, so they start in prepare() or with the first
+        episode that needs them, as does the resources server of a family not named here."""
         if self.native is not None:
             check_native_server(self.native.env)
         with self._lock:
@@ -128,6 +129,11 @@ class NemoGymBackend(RolloutBackend):
                 script.write_text(HARNESS_SCRIPT)
                 self._prefork = start_prefork(self._workdir / "prefork", script, HARNESS_MODULES)
         self._bring_up([self._resources_server(family) for family in self.families])
+
+    def prepare(self, policy: PolicyEndpoint, families: list[str], max_turns: int) -> None:
+        """Starts the model server and agents the coming episodes need (they wait for the policy's address)."""
+        for family in families:
+            self._servers_for(family, policy, max_turns)
 
     def stop(self) -> None:
         with self._lock:

@@ -9,6 +9,7 @@ continuity (runner_kit.continuity). Rewards are the environment stack's own scor
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from runner_contracts import (
     EvalRecord,
     JsonlWriter,
     Plan,
+    RolloutPrepare,
     RolloutRequest,
     RolloutResponse,
     StageRequest,
@@ -29,18 +31,22 @@ from runner_contracts import (
 from runner_kit.continuity import chain_calls
 from runner_kit.policy_server import CallHold, PolicyServer
 from runner_kit.processes import freeze_heap
-from runner_kit.rollout import post_rollouts
+from runner_kit.rollout import announce_policy, post_rollouts
 
 from .grpo import Recorder, get_item_id, task_rows, training_metrics
 
 CONCURRENCY = 32  # episodes in flight: the policy server batches their calls (runner_kit.batching)
 
 
+def _policy_fields(server: PolicyServer, plan: Plan, tokenizer_dir: Path) -> dict[str, Any]:
+    return {"policy_base_url": server.base_url, "policy_model": server.model_name, "tokenizer_dir": str(tokenizer_dir),
+            "sampling": plan.sampling, "tool_format": plan.policy.tool_format}
+
+
 def request_rollouts(service_url: str, episodes: list[EpisodeSpec], server: PolicyServer, plan: Plan,
                      tokenizer_dir: Path) -> RolloutResponse:
-    batch = RolloutRequest(episodes=episodes, policy_base_url=server.base_url, policy_model=server.model_name,
-                           tokenizer_dir=str(tokenizer_dir), sampling=plan.sampling, concurrency=CONCURRENCY,
-                           tool_format=plan.policy.tool_format, episode_timeout_s=plan.budget.attempt_timeout_s())
+    batch = RolloutRequest(episodes=episodes, **_policy_fields(server, plan, tokenizer_dir), concurrency=CONCURRENCY,
+                           episode_timeout_s=plan.budget.attempt_timeout_s())
     return post_rollouts(service_url, batch, timeout=plan.budget.wall_clock_s)
 
 
@@ -152,6 +158,14 @@ def build_bridge(request: StageRequest, policy_dir: Path, output_dir: Path, *, s
                           hold=CallHold(int(hold["after_episodes"]), Path(hold["release_file"])) if hold else None)
     bridge = Bridge(request, server, recorder)
     split = plan.task.train
+    # The service starts what waits for the policy's address (NeMo Gym's model server and agent) while the
+    # trainer below is built, not during the first batch.
+    refused = announce_policy(bridge.service_url, RolloutPrepare(
+        **_policy_fields(server, plan, policy_dir), families=[split.family or plan.task.family],
+        max_turns=plan.budget.max_turns))
+    if refused:
+        print(f"the rollout service was not told the policy's address ahead of the first batch: {refused}",
+              file=sys.stderr, flush=True)
     reward = EnvironmentReward()
     trainer = _make_bridge_trainer_class(bridge)(
         model=model,
