@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,7 @@ def main() -> None:
     for name in stacks[1:]:
         ratios = [arms[name]["throughput"]["rollouts_per_s"] / arms["trl"]["throughput"]["rollouts_per_s"]
                   for arms in rounds]
-        median = _median_index(ratios)
+        median = ratios.index(statistics.median_low(ratios))
         arm, trl = rounds[median][name], rounds[median]["trl"]
         figures.append(figure(f"{name} train-stage rollouts/s", arm["throughput"]["rollouts_per_s"], "/s",
                               "trl arm, same run", trl["throughput"]["rollouts_per_s"], goal=">= 0.8",
@@ -54,7 +55,7 @@ def main() -> None:
                                    "same tokens as one-at-a-time sampling"))
     for name in stacks:
         times = [arms[name]["time_to_first_reproducible_update_s"] for arms in rounds]
-        figures.append(figure(f"{name} first reproducible update", times[_median_index(times)], "s", "budget",
+        figures.append(figure(f"{name} first reproducible update", statistics.median_low(times), "s", "budget",
                               FIRST_UPDATE_BUDGET_S, goal="<= 1.0",
                               note=f"median of {len(rounds)} rounds ({', '.join(f'{t:.0f}' for t in times)} s)"))
     record("arms", figures)
@@ -86,12 +87,6 @@ def print_round(arms: dict[str, dict]) -> None:
                  f"{server.get('decode_steps')} steps, {server.get('mean_rows')} rows per step, "
                  f"{server.get('mean_rows_per_attention_call')} per attention call, model {server.get('model_s')} s"
                  if server else "-"), flush=True)
-
-
-def _median_index(values: list[float]) -> int:
-    """The index of the median value (the lower middle one for an even count)."""
-    order = sorted(range(len(values)), key=values.__getitem__)
-    return order[(len(order) - 1) // 2]
 
 
 def _policy_batching(arm_dir: Path) -> dict | None:

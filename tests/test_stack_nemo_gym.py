@@ -82,8 +82,8 @@ def exists(pid):  # a zombie waiting for init to reap it is gone
     except FileNotFoundError:
         return False
 everything = [fork_server, *launchers, *resources, *forks]
-print(json.dumps({"prepared": prepared, "launchers": launchers, "forks": forks, "same_program": same_program, "resources": resources,
-                  "alive_after_stop": [p for p in everything if exists(p)]}))
+print(json.dumps({"prepared": prepared, "launchers": launchers, "forks": forks, "same_program": same_program,
+                  "resources": resources, "alive_after_stop": [p for p in everything if exists(p)]}))
 """
 
 

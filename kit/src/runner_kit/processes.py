@@ -24,9 +24,8 @@ from runner_contracts.processes import descendants, die_with_parent, end_process
 
 HOST = "127.0.0.1"
 
-__all__ = ["HOST", "ServerProcess", "SocketServer", "bind_loopback", "descendants", "die_with_parent", "free_port", "freeze_heap",
-           "kill_tree",
-           "spawn", "wait_until"]
+__all__ = ["HOST", "ServerProcess", "SocketServer", "bind_loopback", "descendants", "die_with_parent", "free_port",
+           "freeze_heap", "kill_tree", "spawn", "wait_until"]
 
 
 def bind_loopback(port: int = 0, backlog: int = 256) -> socket.socket:
