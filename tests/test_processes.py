@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from conftest import CALC_PLAN, gone, leftover_processes, wait_until
 from runner_contracts import StageRequest, write_record
-from runner_contracts.processes import descendants, end_processes
+from runner_contracts.processes import JOB_TOKEN_VAR, descendants, end_job, end_processes, kill_trees
 
 from runner.api import load_plan, run_process, scrubbed_env, start_process_service
 
@@ -193,3 +194,27 @@ def test_a_stop_signal_survives_a_burst_of_sigterms():
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=10) == 100 + signal.SIGTERM
+
+
+def _holding_memory(token: str) -> subprocess.Popen:
+    """A process with 256 MB of touched memory: once killed, it frees that memory for tens of milliseconds
+    after /proc/PID/environ has become unreadable and before it turns zombie."""
+    code = ("b = bytearray(256 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint('ready', flush=True)\n"
+            "import time; time.sleep(600)")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, JOB_TOKEN_VAR: token})
+    assert process.stdout.readline() == "ready\n"
+    return process
+
+
+def test_killing_returns_only_once_the_processes_have_ended():
+    """Both ways of ending what a job left wait for the exit itself, not only for the token to vanish
+    (end_job once returned while a SIGKILLed process was still freeing its memory)."""
+    killed = _holding_memory("kill-trees")
+    kill_trees([killed.pid])
+    assert gone(killed.pid), "kill_trees returned before the process had ended"
+    killed.wait()
+    ended = _holding_memory("end-job")
+    assert end_job("end-job", grace_s=5) == 1
+    assert gone(ended.pid), "end_job returned before the process had ended"
+    ended.wait()

@@ -112,10 +112,12 @@ def innermost_pid(pid: int) -> int:
 
 
 def kill_trees(pids: Iterable[int]) -> list[int]:
-    """SIGKILLs each pid and every process below it; returns the pids that were alive."""
+    """SIGKILLs each pid and every process below it and waits (bounded) until they have ended; returns the
+    pids that were alive."""
     alive = [pid for pid in pids if not _is_zombie(pid)]
     tree = [member for pid in alive for member in (pid, *descendants(pid))]
     _signal_all(tree, signal.SIGKILL)
+    _await_ended(tree)
     return alive
 
 
@@ -139,6 +141,18 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
+def _await_ended(pids: Iterable[int], timeout_s: float = 2.0) -> None:
+    """Waits until each pid is a zombie or gone, at most `timeout_s`. A SIGKILLed process is still running
+    its exit for a moment after its memory (and so /proc/PID/environ) is gone: `carrying` no longer finds
+    it, but it has not ended yet."""
+    pending = set(pids)
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        pending = {pid for pid in pending if not _is_zombie(pid)}
+        if pending:
+            time.sleep(0.01)
+
+
 def _signal_all(pids: Iterable[int], sig: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -152,21 +166,25 @@ def _reap_orphans() -> None:
             pass
 
 
-def end_processes(find, *, grace_s: float = 2.0) -> int:
-    """SIGTERM what `find()` returns, SIGKILL what is left after `grace_s`, until nothing is found.
-    Returns how many processes were signalled."""
+def end_processes(find, *, grace_s: float = 2.0, reap: bool = False) -> int:
+    """SIGTERM what `find()` returns, SIGKILL what is left after `grace_s`, until nothing is found and every
+    process signalled has ended. Returns how many processes were signalled. `reap`: collect exited
+    children, for a subreaper (elsewhere it would take a Popen's exit status from under it)."""
     pids = [pid for pid in find() if not _is_zombie(pid)]
     ended = set(pids)
     _signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while pids:
-        _reap_orphans()
+        if reap:
+            _reap_orphans()
         pids = [pid for pid in find() if not _is_zombie(pid)]
         ended.update(pids)
         if time.monotonic() > deadline:
             _signal_all(pids, signal.SIGKILL)
         time.sleep(0.05)
-    _reap_orphans()
+    _await_ended(ended)
+    if reap:
+        _reap_orphans()
     return len(ended)
 
 
@@ -206,7 +224,7 @@ def supervise(cmd: list[str], *, stop_grace_s: float = 10.0) -> int:
             time.sleep(0.05)
     if subreaper:
         me = os.getpid()
-        end_processes(lambda: descendants(me))
+        end_processes(lambda: descendants(me), reap=True)
     code = child.returncode if child.returncode is not None else 1
     return 128 - code if code < 0 else code
 

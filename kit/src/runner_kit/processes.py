@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from runner_contracts.processes import descendants, die_with_parent, end_processes
+from runner_contracts.processes import descendants, die_with_parent, kill_trees
 
 HOST = "127.0.0.1"
 
@@ -99,22 +99,9 @@ def spawn(*args: Any, **kwargs: Any) -> subprocess.Popen:
 
 
 def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process below it (they are ours: we started them)."""
-    tree = [pid, *descendants(pid)]
-    for member in tree:
-        try:
-            os.kill(member, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    end_processes(lambda: [p for p in tree if p != pid and _alive(p)], grace_s=0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+    """SIGKILL `pid` and every process below it (they are ours: we started them), and wait until they have
+    ended; `pid` itself is left for its Popen to collect."""
+    kill_trees([pid])
 
 
 def wait_until(ready: Callable[[], bool], *, what: str, timeout_s: float,
