@@ -10,18 +10,25 @@ import os
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 
 import pytest
-from runner_kit.prefork import start_prefork
+from conftest import gone, wait_until
+from runner_kit.prefork import ForkedProgram, Prefork, start_prefork
 
 PROGRAM = textwrap.dedent("""
-    import gc, json, os, signal, sys
+    import gc, json, os, signal, sys, time
 
     def main():
         request = sys.stdin.read()
         if request == "die":
             os.kill(os.getpid(), signal.SIGKILL)
+        if request.startswith("sleep "):  # writes its pid to the file named, says so, and sleeps
+            with open(request[6:], "w") as pid_file:
+                pid_file.write(str(os.getpid()))
+            print("asleep", flush=True)
+            time.sleep(600)
         print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "episode": os.environ.get("EPISODE"),
                           "ppid": os.getppid(), "stdin": request, "frozen": gc.get_freeze_count()}))
         sys.exit(3 if request == "fail" else 0)
@@ -38,10 +45,9 @@ def prefork(tmp_path):
     script.write_text(PROGRAM)
     started = start_prefork(deep, script, ["json"])
     assert started is not None and len(str(deep)) > 108
-    server, launcher = started
-    yield server, launcher, script
-    server.kill()
-    server.wait()
+    yield started, script
+    started.process.kill()
+    started.process.wait()
 
 
 def run(launcher, script, stdin: str, cwd) -> subprocess.CompletedProcess:
@@ -51,7 +57,7 @@ def run(launcher, script, stdin: str, cwd) -> subprocess.CompletedProcess:
 
 def test_the_program_runs_as_a_fork_of_the_server_with_its_own_argv_cwd_environment_stdio_and_a_frozen_heap(
         prefork, tmp_path):
-    server, launcher, script = prefork
+    (server, launcher, _), script = prefork
     deadline = time.monotonic() + 30
     while True:  # until the server listens (the launcher falls back to a plain start before that)
         result = run(launcher, script, "hello", tmp_path)
@@ -67,10 +73,59 @@ def test_the_program_runs_as_a_fork_of_the_server_with_its_own_argv_cwd_environm
 
 
 def test_the_launcher_exits_as_the_program_did(prefork, tmp_path):
-    server, launcher, script = prefork
+    (server, launcher, _), script = prefork
     deadline = time.monotonic() + 30
     while json.loads(run(launcher, script, "", tmp_path).stdout)["ppid"] != server.pid:
         assert time.monotonic() < deadline, "the fork server never answered"
         time.sleep(0.2)
     assert run(launcher, script, "fail", tmp_path).returncode == 3
     assert run(launcher, script, "die", tmp_path).returncode == 128 + signal.SIGKILL
+
+
+def answering(prefork, tmp_path) -> tuple[Prefork, object]:
+    """The fork server, once it answers (the launcher starts the program plainly before that), and the script."""
+    started, script = prefork
+    wait_until(lambda: json.loads(run(started.launcher, script, "", tmp_path).stdout)["ppid"] == started.process.pid,
+               "the fork server to answer", 30)
+    return started, script
+
+
+def forked(started: Prefork, script, stdin: str) -> tuple[ForkedProgram, str]:
+    program = ForkedProgram(started, [str(script), "--flag"], env={**os.environ, "EPISODE": "e-8"})
+    return program, program.communicate(stdin, timeout=60)[0]
+
+
+def test_a_program_run_from_this_process_is_a_fork_of_the_server_without_a_launcher(prefork, tmp_path):
+    started, script = answering(prefork, tmp_path)
+    program, out = forked(started, script, "hello")
+    said = json.loads(out)
+    del said["frozen"]
+    assert program.forked and program.returncode == 0
+    assert said == {"argv": [str(script), "--flag"], "cwd": os.getcwd(), "episode": "e-8",
+                    "ppid": started.process.pid, "stdin": "hello"}
+    assert forked(started, script, "fail")[0].returncode == 3
+    assert forked(started, script, "die")[0].returncode == 128 + signal.SIGKILL
+
+
+def test_a_forked_program_outlives_a_timeout_loses_no_output_and_dies_when_killed(prefork, tmp_path):
+    started, script = answering(prefork, tmp_path)
+    pid_file = tmp_path / "sleeper.pid"
+    program = ForkedProgram(started, [str(script)], env=dict(os.environ))
+    with pytest.raises(subprocess.TimeoutExpired):
+        program.communicate(f"sleep {pid_file}", timeout=1)
+    pid = int(pid_file.read_text())
+    assert program.poll() is None and not gone(pid)
+    threading.Thread(target=program.kill).start()
+    out, _ = program.communicate(timeout=30)
+    assert out == "asleep\n" and program.returncode == -signal.SIGKILL
+    wait_until(lambda: gone(pid), "the fork server to kill the program", 10)
+
+
+def test_a_program_starts_plainly_when_the_fork_server_does_not_answer(tmp_path):
+    script = tmp_path / "program.py"
+    script.write_text(PROGRAM)
+    nobody = Prefork(process=None, launcher=tmp_path / "bin" / "python", address="\0runner-prefork-nobody-listens")
+    program = ForkedProgram(nobody, [str(script)], env={**os.environ, "EPISODE": "e-9"})
+    said = json.loads(program.communicate("plain", timeout=60)[0])
+    assert not program.forked and program.returncode == 0
+    assert (said["ppid"], said["episode"], said["stdin"], said["argv"]) == (os.getpid(), "e-9", "plain", [str(script)])

@@ -145,7 +145,7 @@ from pathlib import Path
 from runner_kit.prefork import OPENAI_MODULES, start_prefork
 
 folder, script = Path(sys.argv[1]), Path(sys.argv[2])
-server, launcher = start_prefork(folder, script, OPENAI_MODULES)
+server, launcher, _ = start_prefork(folder, script, OPENAI_MODULES)
 deadline = time.monotonic() + 60
 while True:  # until the fork server answers (the launcher starts the program plainly before that)
     said = json.loads(subprocess.run([str(launcher), str(script)], capture_output=True, text=True, check=True).stdout)

@@ -53,7 +53,7 @@ args = json.loads(sys.stdin.read())
 episodes = [msgspec.convert(spec, EpisodeSpec) for spec in args["episodes"]]
 backend = NemoGymBackend({episode.family for episode in episodes})
 backend.start()
-fork_server = backend._prefork[0].pid
+fork_server = backend._prefork.process.pid
 def children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as handle:
         return [int(child) for child in handle.read().split()]

@@ -5,20 +5,22 @@ A backend starts it once (`start_prefork(directory, script, warm_modules)`, whic
 `python -m runner_kit.prefork NAME DIR SCRIPT MODULE...`, NAME an abstract socket): it compiles the program, imports the modules and the
 program's own top level (and, when the modules include openai, makes a few chat-completion calls through
 the SDK against a throwaway server on 127.0.0.1, so that the SDK's lazily built models and caches are built
-once, not in every child), and forks one child per request. The backend still runs the program per episode
-as before, only through the launcher this module writes (`<dir>/bin/python`, a `python -SE` script) instead
-of the interpreter: the launcher hands its argv, working directory, environment and stdio descriptors to
-the fork server and exits with the child's status (128 + N when signal N killed it, as a shell reports).
-The child runs the unchanged program as `__main__` with exactly those. When the launcher dies (the backend
-SIGKILLs its process group) the fork server SIGKILLs the child's group; the child dies with the fork
-server, which dies with the backend. When the fork server cannot be reached, the launcher execs the real
-interpreter (a plain start, as without the fork server). RUNNER_PREFORK=0 turns it off.
+once, not in every child), and forks one child per request. A backend that starts the program itself asks
+the fork server directly (`ForkedProgram`); where an upstream starts it from an interpreter path, it runs it
+through the launcher this module writes (`<dir>/bin/python`, a `python -SE` script) instead of the
+interpreter. Either hands the argv, working directory, environment and stdio descriptors to the fork server
+and gets the child's status (128 + N when signal N killed it, as a shell reports).
+The child runs the unchanged program as `__main__` with exactly those. When the connection closes (the
+launcher dies, or `ForkedProgram.kill()`) the fork server SIGKILLs the child's group; the child dies with the
+fork server, which dies with the backend. When the fork server cannot be reached, the program starts plainly
+on the real interpreter, as without the fork server. RUNNER_PREFORK=0 turns it off.
 """
 
 from __future__ import annotations
 
 import array
 import atexit
+import contextlib
 import json
 import logging
 import marshal
@@ -30,9 +32,11 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import traceback
 import types
 from pathlib import Path
+from typing import NamedTuple
 
 from runner_kit.processes import die_with_parent, freeze_heap, kill_tree, spawn
 
@@ -91,7 +95,15 @@ def write_launcher(directory: Path, socket_path: str, python: str = sys.executab
     return launcher
 
 
-def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> tuple[subprocess.Popen, Path] | None:
+class Prefork(NamedTuple):
+    """A started fork server: its process, the launcher that runs the program through it, its socket address."""
+
+    process: subprocess.Popen
+    launcher: Path
+    address: str
+
+
+def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> Prefork | None:
     """Starts the program's fork server (a child of this process that dies with it, from whichever thread)
     and writes its launcher under `directory`; None when turned off (RUNNER_PREFORK=0).
 
@@ -104,7 +116,7 @@ def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> tup
     launcher = write_launcher(directory, "\0" + name)
     process = spawn([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), str(script), *warm_modules],
                     stdin=subprocess.DEVNULL)
-    return process, launcher
+    return Prefork(process, launcher, "\0" + name)
 
 
 def stop_prefork(process: subprocess.Popen) -> None:
@@ -112,6 +124,115 @@ def stop_prefork(process: subprocess.Popen) -> None:
     until the kernel's death signal reached them."""
     kill_tree(process.pid)
     process.wait()
+
+
+class ForkedProgram:
+    """The program run once, from this process, as a child of the fork server when it answers, else as a plain
+    start of this interpreter: either way in a session of its own, with `argv` (the script first), `env` and
+    pipes to its stdio. A launcher process would cost a Python start (~11 ms of CPU) per run.
+
+    Popen's `communicate` (call it again after a timeout: nothing read is lost), `poll` and `returncode`; a
+    forked child killed by signal N reports 128 + N, as the launcher does. `kill()`, from any thread, SIGKILLs
+    the program's session (forked: the fork server does it when the connection closes); a forked program
+    whose status never came reports -SIGKILL."""
+
+    def __init__(self, prefork: Prefork | None, argv: list[str], *, env: dict[str, str]):
+        self.returncode: int | None = None
+        self._plain: subprocess.Popen | None = None
+        if prefork is not None:
+            try:
+                self._fork(prefork.address, argv, env)
+                return
+            except OSError:
+                log.warning("prefork: the fork server at %r did not answer; a plain start", prefork.address)
+        self._plain = subprocess.Popen([sys.executable, *argv], env=env, stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+    @property
+    def forked(self) -> bool:
+        return self._plain is None
+
+    def _fork(self, address: str, argv: list[str], env: dict[str, str]) -> None:
+        pipes = [os.pipe() for _ in range(3)]
+        theirs = [pipes[0][0], pipes[1][1], pipes[2][1]]
+        self._stdin, self._stdout, self._stderr = pipes[0][1], pipes[1][0], pipes[2][0]
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._conn.connect(address)
+            payload = marshal.dumps({"argv": list(argv), "cwd": os.getcwd(), "env": dict(env)})
+            self._conn.sendmsg([HEADER.pack(len(payload))],
+                               [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", theirs))])
+            self._conn.sendall(payload)
+        except OSError:
+            self._conn.close()
+            for fd in (self._stdin, self._stdout, self._stderr):
+                os.close(fd)
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        self._input: memoryview | None = None
+        self._read = {self._stdout: bytearray(), self._stderr: bytearray()}
+        self._status = bytearray()
+        self._open = {self._stdin, self._stdout, self._stderr, self._conn.fileno()}
+
+    def communicate(self, input: str = "", timeout: float | None = None) -> tuple[str, str]:
+        """Writes `input` and closes stdin, reads stdout and stderr to their ends and waits for the exit;
+        subprocess.TimeoutExpired after `timeout` seconds (the program still runs)."""
+        if self._plain is not None:
+            out, err = self._plain.communicate(input.encode(), timeout=timeout)
+            self.returncode = self._plain.returncode
+            return out.decode(errors="replace"), err.decode(errors="replace")
+        if self._input is None:
+            self._input = memoryview(input.encode())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            for fd in self._open:
+                selector.register(fd, selectors.EVENT_WRITE if fd == self._stdin else selectors.EVENT_READ)
+            while self._open:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired("forked program", timeout)
+                for key, _ in selector.select(left):
+                    if self._step(key.fd):
+                        selector.unregister(key.fd)
+                        self._open.discard(key.fd)
+                        if key.fd != self._conn.fileno():
+                            os.close(key.fd)
+        status = bytes(self._status)
+        self._conn.close()
+        self.returncode = int.from_bytes(status, "big", signed=True) if len(status) == 4 else -signal.SIGKILL
+        return self._read[self._stdout].decode(errors="replace"), self._read[self._stderr].decode(errors="replace")
+
+    def _step(self, fd: int) -> bool:
+        """Moves the data one ready descriptor has; whether it is done."""
+        if fd == self._stdin:
+            try:
+                self._input = self._input[os.write(fd, self._input[:1 << 16]):]
+            except BrokenPipeError:  # the program exited without reading it all
+                return True
+            return not self._input
+        if fd == self._conn.fileno():
+            try:
+                chunk = self._conn.recv(4 - len(self._status))
+            except OSError:  # shut down by kill()
+                chunk = b""
+            self._status += chunk
+            return not chunk or len(self._status) == 4
+        chunk = os.read(fd, 1 << 16)
+        self._read[fd] += chunk
+        return not chunk
+
+    def poll(self) -> int | None:
+        return self._plain.poll() if self._plain is not None else self.returncode
+
+    def kill(self) -> None:
+        if self._plain is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._plain.pid, signal.SIGKILL)
+        else:
+            with contextlib.suppress(OSError):
+                self._conn.shutdown(socket.SHUT_RDWR)
 
 
 def _warm(script: str, warm_modules: list[str]) -> types.CodeType:

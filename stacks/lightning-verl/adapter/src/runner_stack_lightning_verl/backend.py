@@ -3,8 +3,8 @@
 Per episode (one Agent Lightning rollout per attempt, as its local controller runs them):
 1. enqueue a rollout in agl-server's store (`POST /api/rollouts`, metadata.episode_id = the wire id) and
    mark it running with attempt "0";
-2. run the team harness (`team_agent.py`, a separate program) as a subprocess in its own session (through
-   runner_kit.prefork's launcher: a fork of an interpreter that imported it and the OpenAI SDK once), whose
+2. run the team harness (`team_agent.py`, a separate program) as a process in its own session (a child of
+   runner_kit.prefork's fork server, an interpreter that imported it and the OpenAI SDK once), whose
    only model setting is OPENAI_BASE_URL = the gateway's per-rollout proxy URL
    `/proxy/rollout/<rid>/attempt/0/mode/train/openai/v1`;
 3. the gateway forwards every call to the policy at `<policy root>/episodes/<episode id>/v1` (see
@@ -28,7 +28,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,7 @@ from typing import Any
 from qualification.tasks import NativeFamily, Score, TaskItem, ToolCall, Transcript, get_family
 from runner_contracts import CapturedCall, EpisodeResult, EpisodeSpec, NativeAsset, ToolCallRecord
 from runner_kit.native import load_asset
-from runner_kit.prefork import OPENAI_MODULES, start_prefork, stop_prefork
+from runner_kit.prefork import OPENAI_MODULES, ForkedProgram, Prefork, start_prefork, stop_prefork
 from runner_kit.processes import ServerProcess, bind_loopback, spawn
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
@@ -124,11 +123,11 @@ class LightningBackend(RolloutBackend):
         self.gateway = Gateway()
         self.harness_timeout_s = harness_timeout_s
         self._lock = threading.Lock()  # the gateway process and its configuration
-        self._harnesses: set[subprocess.Popen] = set()
+        self._harnesses: set[ForkedProgram] = set()
         self._harness_lock = threading.Lock()
         self._down = False  # killed (fault injection or crash) and not yet restarted
-        # Per program (team_agent.py; native_harness.py with a native asset): its fork server and launcher.
-        self._preforks: dict[Path, tuple[subprocess.Popen, Path] | None] = {}
+        # Per program (team_agent.py; native_harness.py with a native asset): its fork server.
+        self._preforks: dict[Path, Prefork | None] = {}
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -172,24 +171,21 @@ class LightningBackend(RolloutBackend):
             self.gateway.stop()
             for prefork in self._preforks.values():
                 if prefork is not None:
-                    stop_prefork(prefork[0])
-                    shutil.rmtree(prefork[1].parent.parent, ignore_errors=True)
+                    stop_prefork(prefork.process)
+                    shutil.rmtree(prefork.launcher.parent.parent, ignore_errors=True)
             self._preforks.clear()
 
-    def running_harnesses(self) -> list[subprocess.Popen]:
+    def running_harnesses(self) -> list[ForkedProgram]:
         with self._harness_lock:
             return [p for p in self._harnesses if p.poll() is None]
 
     def kill_harnesses(self) -> int:
-        """SIGKILLs the running team harnesses only (agl-server stays up); how many were still running."""
-        killed = 0
-        for process in self.running_harnesses():
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # its own session: the harness and anything it started
-                killed += 1
-            except ProcessLookupError:
-                pass
-        return killed
+        """SIGKILLs the running team harnesses only (agl-server stays up), each with its session (anything it
+        started); how many were still running."""
+        running = self.running_harnesses()
+        for process in running:
+            process.kill()
+        return len(running)
 
     def _gateway_for(self, policy: PolicyEndpoint) -> tuple[Gateway, int]:
         """The running gateway, configured for this policy, and its start count: model name and temperature
@@ -296,26 +292,22 @@ class LightningBackend(RolloutBackend):
         env = {**os.environ,
                "OPENAI_BASE_URL": f"{gateway.url}/proxy/rollout/{rollout_id}/attempt/{ATTEMPT}/mode/train/openai/v1",
                "OPENAI_API_KEY": gateway.key, "OPENAI_MODEL": model}
-        prefork = self._preforks.get(program)
-        interpreter = str(prefork[1]) if prefork else sys.executable
-        process = subprocess.Popen([interpreter, str(program)], env=env,
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, start_new_session=True)
+        process = ForkedProgram(self._preforks.get(program), [str(program)], env=env)
         with self._harness_lock:
             self._harnesses.add(process)
         try:
             try:
                 out, err = process.communicate(json.dumps(task), timeout=self.harness_timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+                process.kill()
                 process.communicate()
                 raise RuntimeError(f"team harness ran past {self.harness_timeout_s:.0f} s") from None
         finally:
             with self._harness_lock:
                 self._harnesses.discard(process)
-        # The launcher reports a child killed by signal N as 128 + N; a launcher killed itself is -N.
+        # A forked harness killed by signal N reports 128 + N; a plain start, -N.
         killed_by = -process.returncode if process.returncode < 0 else \
-            process.returncode - 128 if prefork and process.returncode > 128 else 0
+            process.returncode - 128 if process.forked and process.returncode > 128 else 0
         if killed_by:
             raise EnvironmentDown(f"team harness killed by signal {killed_by}")
         if process.returncode != 0:  # the whole stderr goes to the stage's log, its last line to the result

@@ -142,7 +142,7 @@ class NemoGymBackend(RolloutBackend):
             workdir, self._workdir = self._workdir, None
             prefork, self._prefork = self._prefork, None
         if prefork is not None:  # the fork server with the harness servers forked from it
-            stop_prefork(prefork[0])
+            stop_prefork(prefork.process)
         processes = [server.process for server in servers if server.process is not None]
         for process in processes:
             if process.poll() is None:
@@ -229,7 +229,7 @@ class NemoGymBackend(RolloutBackend):
         if server.kind in HARNESS_KINDS:
             # The fork server's launcher (when it runs; the plain interpreter otherwise) stands for the server:
             # it exits with the server's status, and the server dies when it is killed.
-            interpreter = str(self._prefork[1]) if self._prefork else sys.executable
+            interpreter = str(self._prefork.launcher) if self._prefork else sys.executable
             command = [interpreter, str(self._workdir / "harness_server.py"), server.kind]
         else:
             command = [sys.executable, "-m", "runner_stack_nemo_gym.servers", server.kind,

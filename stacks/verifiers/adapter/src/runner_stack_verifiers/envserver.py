@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
     script = use_environment_python_for_chat_program()
     prefork = start_prefork(ready.parent / f"prefork-{os.getpid()}", script, CHAT_PROGRAM_MODULES)
     if prefork is not None:
-        use_environment_python_for_chat_program(str(prefork[1]))
+        use_environment_python_for_chat_program(str(prefork.launcher))
     server = EnvServer(env_config() if native is None else native_env_config(native), address="tcp://127.0.0.1:0", max_concurrent=max_concurrent)
     freeze_heap()
 
