@@ -104,6 +104,28 @@ def test_an_environment_arm_runs_from_its_sif_and_the_trainers(sif_env, local_co
     assert rollout_tokens(run_dir) == rollout_tokens(local_comparison[0] / "arms" / stack)
 
 
+def test_the_sifs_certificates_are_a_hashed_directory_read_lazily(sif_env):
+    """What a job in a SIF gets as SSL_CERT_DIR (certificates.IMAGE_CERTIFICATES) is the image's CA directory,
+    hashed by update-ca-certificates at build: an SSL context made from it has parsed no certificate yet
+    (OpenSSL finds each CA by its subject hash when a handshake needs it)."""
+    from runner._engines.certificates import IMAGE_CERTIFICATES
+    from runner._engines.jobs import STACK_PREFIX
+
+    code = ("import json, os, ssl; folder = os.environ['SSL_CERT_DIR']; "
+            "context = ssl.create_default_context(capath=folder); "
+            "print(json.dumps({'parsed': context.cert_store_stats()['x509_ca'], "
+            "'hashed': sum(name.endswith('.0') for name in os.listdir(folder)), "
+            "'bundle': os.environ.get('SSL_CERT_FILE')}))")
+    sif = Path(sif_env["RUNNER_SIF_DIR"]) / "openenv.sif"
+    result = subprocess.run([sif_env["RUNNER_APPTAINER"], "exec", "--containall", "--cleanenv",
+                             *(f"--env={key}={value}" for key, value in IMAGE_CERTIFICATES.items()), str(sif),
+                             str(STACK_PREFIX / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = json.loads(result.stdout.strip().splitlines()[-1])
+    assert said["parsed"] == 0 and said["hashed"] > 100 and said["bundle"] is None, said
+
+
 def test_a_killed_job_takes_its_sif_mount_with_it(sif_env, tmp_path):
     """Killing a job (its timeout, a kill condition, a service's stop) ends everything it started, Apptainer's
     squashfuse_ll included: Apptainer runs it in a session of its own, holding the container's SIF mount, so a

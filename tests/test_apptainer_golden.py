@@ -62,6 +62,20 @@ def test_golden_exec_line_cpu_resume_with_singularity_binary():
     matches_golden("apptainer_exec_cpu_resume.txt", line)
 
 
+def test_a_job_in_a_stack_image_gets_the_images_certificates_not_the_hosts_bundle(tmp_path, monkeypatch):
+    """Apptainer, Docker and Podman jobs: the image's hashed CA directory (read lazily: an HTTP client's SSL
+    context costs no bundle parse), never the host's SSL_CERT_FILE, a host path the image may not have."""
+    from runner._engines.jobs import scrubbed_env
+
+    monkeypatch.setenv("SSL_CERT_FILE", str(tmp_path / "host-only-bundle.pem"))
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    apptainer = job_for_request(get_stack("trl"), request("train", 0), Path("/shared/sif/trl-abc.sif"),
+                                Path("/scratch/runs/r1")).environment
+    container = scrubbed_env(Path("/opt/stack/bin"), tmp_path / "home", host_paths=False)
+    for environment in (apptainer, container):
+        assert environment["SSL_CERT_DIR"] == "/etc/ssl/certs" and "SSL_CERT_FILE" not in environment
+
+
 def test_golden_build_lines():
     archive = build_from_archive_command(Path("/shared/sif/trl-abc.sif"), Path("/shared/images/runner-trl-abc.tar"))
     from_def = build_from_definition_command(Path("trl.sif"), Path("trl.def"), binary="singularity")

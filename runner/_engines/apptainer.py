@@ -36,6 +36,7 @@ from .jobs import (
 )
 from .._errors import EngineError
 from .._file_hashes import cached_sha256
+from .certificates import IMAGE_CERTIFICATES
 from .images import LABEL_LOCK, LABEL_STACK
 from .._paths import cache_dir
 from .._stacks import StackManifest
@@ -61,7 +62,7 @@ def job_for_request(manifest: StackManifest, request: StageRequest, sif: Path, r
     """The Apptainer job for one stage request: the same policy as the container engine (run directory
     writable, inputs read-only at their host paths, the allow-listed environment, GPUs from the plan)."""
     out_dir = Path(request.out_dir)
-    environment = job_env(STACK_PREFIX / "bin", out_dir / ".home", request.plan, manifest.name)
+    environment = {**job_env(STACK_PREFIX / "bin", out_dir / ".home", request.plan, manifest.name), **IMAGE_CERTIFICATES}
     return ApptainerJob(sif=sif, adapter=manifest.adapter, request=out_dir / "request.json", workdir=out_dir,
                         writable=(run_dir,), read_only=tuple(read_only_inputs(request, manifest.name, outside=run_dir)),
                         environment=environment,

@@ -5,7 +5,8 @@ too. Given a bundle file (SSL_CERT_FILE, or certifi's when nothing is set), Open
 in it: ~24 ms of CPU per client here, paid once per rollout by the arms whose programs make a client per
 episode. Given a hashed directory (SSL_CERT_DIR, no SSL_CERT_FILE), it reads a certificate only when a TLS
 handshake needs one: ~0.3 ms. So a local job gets the host's bundle as such a directory: the same
-certificates, split one per file and named by `openssl rehash`, built once per bundle content."""
+certificates, split one per file and named by `openssl rehash`, built once per bundle content. A job in a
+stack image (Docker, Podman, Apptainer) gets the image's own hashed directory (IMAGE_CERTIFICATES)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ from .._paths import cache_dir
 
 _PEM = re.compile(rb"-----BEGIN (TRUSTED )?CERTIFICATE-----.+?-----END \1?CERTIFICATE-----", re.S)
 _HASHED_NAME = re.compile(r"[0-9a-f]{8}\.\d+")
+
+
+# A stack image's CA certificates: Debian's plus those added at build (images.extra_ca_certificates), hashed by
+# the build's update-ca-certificates. The host's SSL_CERT_FILE names a host path, which the image may not have.
+IMAGE_CERTIFICATES = {"SSL_CERT_DIR": "/etc/ssl/certs"}
 
 
 def certificate_env() -> dict[str, str]:

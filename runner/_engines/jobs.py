@@ -29,7 +29,7 @@ from runner_contracts.processes import JOB_TOKEN_VAR, descendants, die_with_pare
 from .._errors import EngineError
 from .._paths import job_paths, native_asset_dir
 from .._stacks import StackManifest
-from .certificates import certificate_env
+from .certificates import IMAGE_CERTIFICATES, certificate_env
 
 STACK_PREFIX = Path("/opt/stack")  # the stack's virtualenv inside its image or SIF
 # Variables a stack process may see; everything else of the caller's environment is dropped.
@@ -169,13 +169,12 @@ def job_env(python_bin_dir: Path, home: Path, plan: Plan | None = None, stack: s
 
 def scrubbed_env(python_bin_dir: Path, home: Path, plan: Plan | None = None, stack: str = "", *,
                  host_paths: bool = True) -> dict[str, str]:
-    """job_env plus the allow-listed host variables (LANG too, when the host sets it); creates TMPDIR. With
-    `host_paths` (a job that sees the host's files), the host's CA certificates as a hashed directory
-    (certificates.certificate_env) in place of SSL_CERT_FILE."""
+    """job_env plus the allow-listed host variables (LANG too, when the host sets it); creates TMPDIR. The CA
+    certificates as a hashed directory in place of SSL_CERT_FILE: with `host_paths` (a job that sees the host's
+    files) the host's (certificates.certificate_env), else the stack image's."""
     env = {key: os.environ[key] for key in PASSTHROUGH if key in os.environ}
-    if host_paths:
-        env.pop("SSL_CERT_FILE", None)
-        env.update(certificate_env())
+    env.pop("SSL_CERT_FILE", None)
+    env.update(certificate_env() if host_paths else IMAGE_CERTIFICATES)
     env.update({key: value for key, value in job_env(python_bin_dir, home, plan, stack).items()
                 if not (key == "LANG" and "LANG" in env)})
     (home / "tmp").mkdir(parents=True, exist_ok=True)
