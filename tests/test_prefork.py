@@ -129,3 +129,38 @@ def test_a_program_starts_plainly_when_the_fork_server_does_not_answer(tmp_path)
     said = json.loads(program.communicate("plain", timeout=60)[0])
     assert not program.forked and program.returncode == 0
     assert (said["ppid"], said["episode"], said["stdin"], said["argv"]) == (os.getpid(), "e-9", "plain", [str(script)])
+
+
+FLOOD = textwrap.dedent("""
+    import os, sys
+
+    if __name__ == "__main__":  # reads a little, writes more than a pipe holds, then reads the rest
+        first = os.read(0, 4096)
+        sys.stdout.write("x" * (1 << 20))
+        sys.stdout.flush()
+        sys.stderr.write(str(len(first) + len(sys.stdin.buffer.read())))
+""")
+
+
+def test_a_forked_program_that_writes_before_it_reads_does_not_deadlock(tmp_path):
+    script = tmp_path / "flood.py"
+    script.write_text(FLOOD)
+    started = start_prefork(tmp_path / "flood", script, [])
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # until the fork server answers (a plain start before that)
+            program, said = ForkedProgram(started, [str(script)], env=dict(os.environ)), []
+            # on a thread: a deadlocked write would block past any timeout communicate was given
+            talk = threading.Thread(target=lambda: said.extend(program.communicate("y" * (1 << 20), timeout=60)),
+                                    daemon=True)
+            talk.start()
+            talk.join(90)
+            assert not talk.is_alive(), "communicate deadlocked: blocked writing stdin while the program wrote"
+            if program.forked or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert program.forked and program.returncode == 0
+        assert (len(said[0]), said[1]) == (1 << 20, str(1 << 20))
+    finally:
+        started.process.kill()
+        started.process.wait()

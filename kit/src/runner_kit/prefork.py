@@ -26,6 +26,7 @@ import logging
 import marshal
 import os
 import secrets
+import select
 import selectors
 import signal
 import socket
@@ -208,7 +209,8 @@ class ForkedProgram:
         """Moves the data one ready descriptor has; whether it is done."""
         if fd == self._stdin:
             try:
-                self._input = self._input[os.write(fd, self._input[:1 << 16]):]
+                # at most PIPE_BUF: a pipe that polls writable takes that much without blocking
+                self._input = self._input[os.write(fd, self._input[:select.PIPE_BUF]):]
             except BrokenPipeError:  # the program exited without reading it all
                 return True
             return not self._input
