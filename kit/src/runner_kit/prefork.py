@@ -39,7 +39,7 @@ import types
 from pathlib import Path
 from typing import NamedTuple
 
-from runner_kit.processes import die_with_parent, freeze_heap, kill_tree, spawn
+from runner_kit.processes import die_with_parent, freeze_heap, kill_trees, spawn
 
 log = logging.getLogger("runner_kit.prefork")
 
@@ -123,7 +123,7 @@ def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> Pre
 def stop_prefork(process: subprocess.Popen) -> None:
     """Ends a fork server and the programs it forked, and waits: killed alone, its children would outlive it
     until the kernel's death signal reached them."""
-    kill_tree(process.pid)
+    kill_trees([process.pid])
     process.wait()
 
 

@@ -25,7 +25,7 @@ from runner_contracts.processes import descendants, die_with_parent, kill_trees
 HOST = "127.0.0.1"
 
 __all__ = ["HOST", "ServerProcess", "SocketServer", "bind_loopback", "descendants", "die_with_parent", "free_port",
-           "freeze_heap", "kill_tree", "spawn", "wait_until"]
+           "freeze_heap", "kill_trees", "spawn", "wait_until"]
 
 
 def bind_loopback(port: int = 0, backlog: int = 256) -> socket.socket:
@@ -98,12 +98,6 @@ def spawn(*args: Any, **kwargs: Any) -> subprocess.Popen:
     return _spawner.popen(*args, **kwargs)
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every process below it (they are ours: we started them), and wait until they have
-    ended; `pid` itself is left for its Popen to collect."""
-    kill_trees([pid])
-
-
 def wait_until(ready: Callable[[], bool], *, what: str, timeout_s: float,
                alive: Callable[[], bool] | None = None) -> None:
     """Polls `ready()` every 50 ms; raises RuntimeError when `alive()` turns false or after `timeout_s`."""
@@ -151,7 +145,7 @@ class ServerProcess:
         """SIGKILL the server and whatever it started."""
         if self.process is not None:
             if self.process.poll() is None:
-                kill_tree(self.process.pid)
+                kill_trees([self.process.pid])
             self.process.wait()
 
     def stop(self, grace_s: float = 5.0) -> None:
