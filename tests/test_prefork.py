@@ -164,3 +164,32 @@ def test_a_forked_program_that_writes_before_it_reads_does_not_deadlock(tmp_path
     finally:
         started.process.kill()
         started.process.wait()
+
+
+LOOKUP = textwrap.dedent("""
+    import json, os
+    from qualification.tasks import registry
+
+    if __name__ == "__main__":  # what the server looked up before it forked, before this child asks
+        print(json.dumps({"ppid": os.getppid(), "loaded": registry._load_family.cache_info().currsize,
+                          "family": registry.get_family("calc-tool").name}))
+""")
+
+
+def test_warm_calls_run_once_in_the_server_and_a_failing_one_is_skipped(tmp_path):
+    """`module:function` entries are called before the first fork (qualification.tasks:families loads every
+    family, which a child would otherwise look up through every distribution's entry points); one that fails
+    is logged and the server serves all the same."""
+    script = tmp_path / "lookup.py"
+    script.write_text(LOOKUP)
+    started = start_prefork(tmp_path / "lookup", script, ["qualification.tasks:no_such_function",
+                                                         "qualification.tasks:families"])
+    try:
+        said = {}
+        wait_until(lambda: said.update(json.loads(ForkedProgram(started, [str(script)], env=dict(os.environ))
+                                                  .communicate("", timeout=60)[0])) or
+                   said["ppid"] == started.process.pid, "the fork server to answer", 30)
+        assert said["loaded"] >= 4 and said["family"] == "calc-tool"
+    finally:
+        started.process.kill()
+        started.process.wait()

@@ -177,6 +177,52 @@ def test_the_fork_server_warms_the_openai_sdk_for_the_programs_it_forks(env, tmp
     assert said["fds"] == plain["fds"]  # stdio and the listing's own descriptor
 
 
+KEEP_ALIVE = r"""
+import json, threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from runner_stack_lightning_verl.backend import Gateway
+
+ports = []
+
+
+class ClosesWhenAsked(BaseHTTPRequestHandler):
+    # Answers HTTP/1.1 without "Connection: close" and then closes on /close, as a server closes an idle
+    # keep-alive connection: the client learns it only on its next request.
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        ports.append(self.client_address[1])
+        body = json.dumps({"answered": len(ports)}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = self.path == "/close"
+
+    def log_message(self, *args):
+        pass
+
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), ClosesWhenAsked)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+gateway = Gateway()
+gateway.port = server.server_address[1]
+said = [gateway.api("GET", path)["answered"] for path in ("/keep", "/keep", "/close", "/keep", "/keep")]
+print(json.dumps({"said": said, "ports": ports}))
+"""
+
+
+def test_store_calls_share_a_connection_and_survive_the_server_closing_it(env):
+    """The adapter's store calls (six an episode) reuse one keep-alive connection per thread; when the server
+    has closed it, the next call goes once more on a new connection, and nothing is sent twice."""
+    run = subprocess.run([str(env.python), "-c", KEEP_ALIVE], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout)
+    assert out["said"] == [1, 2, 3, 4, 5]
+    first, second = out["ports"][0], out["ports"][3]
+    assert out["ports"] == [first, first, first, second, second] and first != second
+
+
 HARNESS_KILL = r"""
 import json, sys, threading, time
 import msgspec

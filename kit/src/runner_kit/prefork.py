@@ -1,14 +1,15 @@
 """A fork server for a program a rollout runs once per episode (a harness, a chat program), so an episode
 does not pay a Python start and the import of openai and httpx (~1-1.5 s of CPU) before its first model call.
 
-A backend starts it once (`start_prefork(directory, script, warm_modules)`, which runs
-`python -m runner_kit.prefork NAME DIR SCRIPT MODULE...`, NAME an abstract socket): it compiles the program, imports the modules and the
-program's own top level (and, when the modules include openai, makes a few chat-completion calls through
-the SDK against a throwaway server on 127.0.0.1, so that the SDK's lazily built models and caches are built
-once, not in every child), and forks one child per request. A backend that starts the program itself asks
-the fork server directly (`ForkedProgram`); where an upstream starts it from an interpreter path, it runs it
-through the launcher this module writes (`<dir>/bin/python`, a `python -SE` script) instead of the
-interpreter. Either hands the argv, working directory, environment and stdio descriptors to the fork server
+A backend starts it once (`start_prefork(directory, script, warm)`, which runs
+`python -m runner_kit.prefork NAME DIR SCRIPT WARM...`, NAME an abstract socket): it compiles the program,
+imports the `warm` modules and calls the `module:function` entries among them (what the program does on
+first use and then caches: the task-family lookup, say), runs the program's own top level (and, when openai
+is imported, makes a few chat-completion calls through the SDK against a throwaway server on 127.0.0.1, so
+that the SDK's lazily built models and caches are built once, not in every child), and forks one child per
+request. A backend that starts the program itself asks the fork server directly (`ForkedProgram`); where an
+upstream starts it from an interpreter path, it runs it through the launcher this module writes
+(`<dir>/bin/python`, a `python -SE` script) instead of the interpreter. Either hands the argv, working directory, environment and stdio descriptors to the fork server
 and gets the child's status (128 + N when signal N killed it, as a shell reports).
 The child runs the unchanged program as `__main__` with exactly those. When the connection closes (the
 launcher dies, or `ForkedProgram.kill()`) the fork server SIGKILLs the child's group; the child dies with the
@@ -21,6 +22,7 @@ from __future__ import annotations
 import array
 import atexit
 import contextlib
+import importlib
 import json
 import logging
 import marshal
@@ -104,7 +106,7 @@ class Prefork(NamedTuple):
     address: str
 
 
-def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> Prefork | None:
+def start_prefork(directory: Path, script: Path, warm: list[str]) -> Prefork | None:
     """Starts the program's fork server (a child of this process that dies with it, from whichever thread)
     and writes its launcher under `directory`; None when turned off (RUNNER_PREFORK=0).
 
@@ -115,7 +117,7 @@ def start_prefork(directory: Path, script: Path, warm_modules: list[str]) -> Pre
     directory.mkdir(parents=True, exist_ok=True)
     name = f"runner-prefork-{os.getpid()}-{secrets.token_hex(8)}"
     launcher = write_launcher(directory, "\0" + name)
-    process = spawn([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), str(script), *warm_modules],
+    process = spawn([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), str(script), *warm],
                     stdin=subprocess.DEVNULL)
     return Prefork(process, launcher, "\0" + name)
 
@@ -237,13 +239,16 @@ class ForkedProgram:
                 self._conn.shutdown(socket.SHUT_RDWR)
 
 
-def _warm(script: str, warm_modules: list[str]) -> types.CodeType:
+def _warm(script: str, warm: list[str]) -> types.CodeType:
     code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
-    for name in warm_modules:
+    for entry in warm:
+        module, _, function = entry.partition(":")
         try:
-            __import__(name)
-        except Exception:  # noqa: BLE001 - a module the program does not need here is simply not warmed
-            log.warning("prefork: could not import %s", name, exc_info=True)
+            imported = importlib.import_module(module)
+            if function:
+                getattr(imported, function)()
+        except Exception:  # noqa: BLE001 - what the program does not need here is simply not warmed
+            log.warning("prefork: could not warm %s", entry, exc_info=True)
     # The program's own top level (its imports, class and function definitions), not its entry point.
     warm = types.ModuleType("__prefork_warm__")
     warm.__file__ = script
@@ -445,7 +450,7 @@ def _child(request: dict, fds: list[int], code: types.CodeType, script: str, lau
         os._exit(status & 0xFF)
 
 
-def serve(name: str, launcher_dir: str, script: str, warm_modules: list[str]) -> None:
+def serve(name: str, launcher_dir: str, script: str, warm: list[str]) -> None:
     """Serves on the abstract socket `name` the launcher in `launcher_dir` connects to."""
     die_with_parent()
     launcher_bin = str(Path(launcher_dir) / "bin")
@@ -453,7 +458,7 @@ def serve(name: str, launcher_dir: str, script: str, warm_modules: list[str]) ->
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(256)  # launchers queue here while the imports below run
-    code = _warm(script, warm_modules)
+    code = _warm(script, warm)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
