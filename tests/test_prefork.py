@@ -193,3 +193,63 @@ def test_warm_calls_run_once_in_the_server_and_a_failing_one_is_skipped(tmp_path
     finally:
         started.process.kill()
         started.process.wait()
+
+
+CA_FILES = textwrap.dedent("""
+    import json, os, ssl, sys
+
+    def main():
+        bundle, changed = sys.argv[1], sys.argv[2]
+        loads = []
+        load = ssl.SSLContext.load_verify_locations
+        ssl.SSLContext.load_verify_locations = lambda self, *a, **k: (loads.append(a or k), load(self, *a, **k))[1]
+        made = [ssl.create_default_context(cafile=bundle) for _ in range(3)]
+        before = len(loads)
+        fresh = ssl.create_default_context(cafile=changed)
+        print(json.dumps({"ppid": os.getppid(), "loads": before, "changed_loads": len(loads) - before,
+                          "stores": [context.cert_store_stats()["x509_ca"] for context in made],
+                          "changed_store": fresh.cert_store_stats()["x509_ca"],
+                          "distinct": len({id(context) for context in made}),
+                          "verify": [context.verify_mode == ssl.CERT_REQUIRED and context.check_hostname
+                                     for context in made]}))
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+def test_a_forked_program_gets_ca_contexts_the_server_loaded_from_an_unchanged_file(tmp_path, monkeypatch):
+    """ssl.create_default_context(cafile=F) in a forked program: the first CA_CONTEXTS_PER_FILE come loaded
+    from F by the fork server (no load in the program), the next is loaded as usual, all verify and trust the
+    same certificates; a file changed since the server loaded it is loaded afresh."""
+    import certifi
+    from runner_kit.prefork import CA_CONTEXTS_PER_FILE
+
+    bundle, changed = tmp_path / "bundle.pem", tmp_path / "changed.pem"
+    pem = certifi.contents()
+    bundle.write_text(pem)
+    changed.write_text(pem)
+    monkeypatch.setenv("SSL_CERT_FILE", str(changed))  # the server loads the files SSL_CERT_FILE and certifi name
+    script = tmp_path / "ca.py"
+    script.write_text(CA_FILES)
+    started = start_prefork(tmp_path / "ca", script, ["certifi"])
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+    try:
+        said = {}
+
+        def ask() -> bool:
+            said.update(json.loads(ForkedProgram(started, [str(script), str(certifi.where()), str(changed)],
+                                                 env=dict(os.environ)).communicate("", timeout=60)[0]))
+            return said["ppid"] == started.process.pid
+
+        wait_until(ask, "the fork server to answer", 30)
+        assert (said["changed_loads"], said["changed_store"]) == (0, pem.count("BEGIN CERTIFICATE"))
+        changed.write_text(pem.split("-----END CERTIFICATE-----")[0] + "-----END CERTIFICATE-----\n")
+        assert ask()
+        assert said["loads"] == 3 - CA_CONTEXTS_PER_FILE  # certifi's bundle: loaded by the server, then by itself
+        total = pem.count("BEGIN CERTIFICATE")
+        assert said["stores"] == [total] * 3 and said["distinct"] == 3 and all(said["verify"])
+        assert (said["changed_loads"], said["changed_store"]) == (1, 1)
+    finally:
+        started.process.kill()
+        started.process.wait()

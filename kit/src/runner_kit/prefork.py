@@ -6,7 +6,8 @@ A backend starts it once (`start_prefork(directory, script, warm)`, which runs
 imports the `warm` modules and calls the `module:function` entries among them (what the program does on
 first use and then caches: the task-family lookup, say), runs the program's own top level (and, when openai
 is imported, makes a few chat-completion calls through the SDK against a throwaway server on 127.0.0.1, so
-that the SDK's lazily built models and caches are built once, not in every child), and forks one child per
+that the SDK's lazily built models and caches are built once, not in every child), loads SSL contexts from the
+CA bundle files a program may name (certifi's, SSL_CERT_FILE) for the children to take, and forks one child per
 request. A backend that starts the program itself asks the fork server directly (`ForkedProgram`); where an
 upstream starts it from an interpreter path, it runs it through the launcher this module writes
 (`<dir>/bin/python`, a `python -SE` script) instead of the interpreter. Either hands the argv, working directory, environment and stdio descriptors to the fork server
@@ -396,7 +397,63 @@ def _read_request(conn: socket.socket, size: int) -> dict:
     return request
 
 
-def _child(request: dict, fds: list[int], code: types.CodeType, script: str, launcher_bin: str) -> None:
+# Contexts per CA bundle file made before forking: a program that makes more clients from one file per run
+# loads the rest itself.
+CA_CONTEXTS_PER_FILE = 2
+
+
+def _ca_file_key(path: str) -> tuple[str, int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return os.path.realpath(path), stat.st_mtime_ns, stat.st_size
+
+
+def _load_ca_files() -> dict[tuple[str, int, int], list]:
+    """SSL contexts from the CA bundle files programs name explicitly (certifi's, as verifiers' chat program
+    passes `verify=certifi.where()`; SSL_CERT_FILE), made once here: loading a bundle parses every
+    certificate in it, ~20 ms of CPU per context, which SSL_CERT_DIR cannot spare a program that names a file."""
+    import ssl
+
+    files = [os.environ.get("SSL_CERT_FILE")]
+    if "certifi" in sys.modules:
+        files.append(sys.modules["certifi"].where())
+    loaded: dict[tuple[str, int, int], list] = {}
+    for path in filter(None, files):
+        key = _ca_file_key(path)
+        if key is None or key in loaded:
+            continue
+        try:
+            loaded[key] = [ssl.create_default_context(cafile=path) for _ in range(CA_CONTEXTS_PER_FILE)]
+        except (OSError, ssl.SSLError):
+            log.warning("prefork: could not load the CA file %s", path, exc_info=True)
+    return loaded
+
+
+def _hand_out_loaded_ca_files(loaded: dict[tuple[str, int, int], list]) -> None:
+    """In the child: `ssl.create_default_context(cafile=F)` returns one of the contexts the server loaded from F,
+    unused, while any are left and F is unchanged (path, mtime, size); anything else is made as the standard
+    library makes it."""
+    import ssl
+
+    if not loaded:
+        return
+    make = ssl.create_default_context
+
+    def create_default_context(purpose=ssl.Purpose.SERVER_AUTH, *, cafile=None, capath=None, cadata=None):
+        if cafile is not None and capath is None and cadata is None and purpose == ssl.Purpose.SERVER_AUTH:
+            ready = loaded.get(_ca_file_key(os.fspath(cafile)))
+            if ready:
+                return ready.pop()
+        return make(purpose, cafile=cafile, capath=capath, cadata=cadata)
+
+    create_default_context.__doc__ = make.__doc__
+    ssl.create_default_context = create_default_context
+
+
+def _child(request: dict, fds: list[int], code: types.CodeType, script: str, launcher_bin: str,
+           ca_contexts: dict) -> None:
     """In the forked child: become the program (never returns)."""
     status = 1
     try:
@@ -417,6 +474,7 @@ def _child(request: dict, fds: list[int], code: types.CodeType, script: str, lau
         os.chdir(request["cwd"])
         if not argv or os.path.realpath(argv[0]) != os.path.realpath(script):
             raise SystemExit(f"prefork: this fork server runs {script}, not {argv[:1]}")
+        _hand_out_loaded_ca_files(ca_contexts)
         sys.argv = list(argv)
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         main = types.ModuleType("__main__")
@@ -459,6 +517,7 @@ def serve(name: str, launcher_dir: str, script: str, warm: list[str]) -> None:
     listener.bind(socket_path)
     listener.listen(256)  # launchers queue here while the imports below run
     code = _warm(script, warm)
+    ca_contexts = _load_ca_files()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -531,7 +590,7 @@ def serve(name: str, launcher_dir: str, script: str, warm: list[str]) -> None:
                             os.close(fd)
                         except OSError:
                             pass
-                    _child(request, fds, code, script, launcher_bin)
+                    _child(request, fds, code, script, launcher_bin, ca_contexts)
                 for fd in fds:
                     os.close(fd)
                 children[pid] = conn
