@@ -1,21 +1,21 @@
 """A fork server for a program a rollout runs once per episode (a harness, a chat program), so an episode
 does not pay a Python start and the import of openai and httpx (~1-1.5 s of CPU) before its first model call.
 
-A backend starts it once (`start_prefork(directory, script, warm)`, which runs
-`python -m runner_kit.prefork NAME DIR SCRIPT WARM...`, NAME an abstract socket): it compiles the program,
-imports the `warm` modules and calls the `module:function` entries among them (what the program does on
-first use and then caches: the task-family lookup, say), runs the program's own top level (and, when openai
-is imported, makes a few chat-completion calls through the SDK against a throwaway server on 127.0.0.1, so
-that the SDK's lazily built models and caches are built once, not in every child), loads SSL contexts from the
-CA bundle files a program may name (certifi's, SSL_CERT_FILE) for the children to take, and forks one child per
-request. A backend that starts the program itself asks the fork server directly (`ForkedProgram`); where an
-upstream starts it from an interpreter path, it runs it through the launcher this module writes
-(`<dir>/bin/python`, a `python -SE` script) instead of the interpreter. Either hands the argv, working directory, environment and stdio descriptors to the fork server
-and gets the child's status (128 + N when signal N killed it, as a shell reports).
-The child runs the unchanged program as `__main__` with exactly those. When the connection closes (the
-launcher dies, or `ForkedProgram.kill()`) the fork server SIGKILLs the child's group; the child dies with the
-fork server, which dies with the backend. When the fork server cannot be reached, the program starts plainly
-on the real interpreter, as without the fork server. RUNNER_PREFORK=0 turns it off.
+A backend starts it once (`start_prefork(directory, script, warm)`, which runs `python -m runner_kit.prefork
+NAME DIR SCRIPT WARM...`, NAME an abstract socket): it compiles the program, imports the `warm` modules and
+calls the `module:function` entries among them (what the program does on first use and then caches: the
+task-family lookup, say), runs the program's own top level (and, when openai is imported, makes a few
+chat-completion calls through the SDK against a throwaway server on 127.0.0.1, so that the SDK's lazily built
+models and caches are built once, not in every child), loads SSL contexts from the CA bundle files a program
+may name (certifi's, SSL_CERT_FILE) for the children to take, and forks one child per request. A backend that
+starts the program itself asks the fork server directly (`ForkedProgram`); where an upstream starts it from an
+interpreter path, it runs it through the launcher this module writes (`<dir>/bin/python`, a `python -SE`
+script) instead of the interpreter. Either hands the argv, working directory, environment and stdio
+descriptors to the fork server and gets the child's status (128 + N when signal N killed it, as a shell
+reports). The child runs the unchanged program as `__main__` with exactly those. When the connection closes
+(the launcher dies, or `ForkedProgram.kill()`) the fork server SIGKILLs the child's group; the child dies with
+the fork server, which dies with the backend. When the fork server cannot be reached, the program starts
+plainly on the real interpreter, as without the fork server. RUNNER_PREFORK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -251,15 +251,15 @@ def _warm(script: str, warm: list[str]) -> types.CodeType:
         except Exception:  # noqa: BLE001 - what the program does not need here is simply not warmed
             log.warning("prefork: could not warm %s", entry, exc_info=True)
     # The program's own top level (its imports, class and function definitions), not its entry point.
-    warm = types.ModuleType("__prefork_warm__")
-    warm.__file__ = script
-    sys.modules[warm.__name__] = warm
+    top_level = types.ModuleType("__prefork_warm__")
+    top_level.__file__ = script
+    sys.modules[top_level.__name__] = top_level
     try:
-        exec(code, warm.__dict__)
+        exec(code, top_level.__dict__)
     except Exception:  # noqa: BLE001
         log.warning("prefork: warming %s failed", script, exc_info=True)
     finally:
-        sys.modules.pop(warm.__name__, None)
+        sys.modules.pop(top_level.__name__, None)
     try:  # what openai's platform headers ask for (`uname -p` in a subprocess otherwise); the CA bundle path
         import platform
 
