@@ -98,7 +98,7 @@ class Gateway(ServerProcess):
         raise StoreError, a dead or unreachable server raises EnvironmentDown."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Authorization": f"Bearer {self.key}", "Content-Type": "application/json"}
-        for attempt in range(2):
+        for _ in range(2):  # a second time only after a reused connection turned out closed
             conn, reused = self._connection(timeout)
             try:
                 conn.request(method, path, body=data, headers=headers)
@@ -107,8 +107,8 @@ class Gateway(ServerProcess):
             except (OSError, http.client.HTTPException) as error:  # refused, reset, or an answer cut short
                 self._connections.conn = None
                 conn.close()
-                if reused and attempt == 0 and isinstance(error, (http.client.RemoteDisconnected, BrokenPipeError,
-                                                                  ConnectionResetError)):
+                if reused and isinstance(error, (http.client.RemoteDisconnected, BrokenPipeError,
+                                                 ConnectionResetError)):
                     continue  # the server had closed the idle connection: once more on a new one
                 raise EnvironmentDown(f"agl-server {self.url} unreachable ({method} {path}): "
                                       f"{type(error).__name__}: {error}") from None
