@@ -42,6 +42,10 @@ FIXED_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "OMP_NUM_THREADS": "2",
     "MKL_NUM_THREADS": "2",
+    # MKL may otherwise use fewer threads than asked at run time, and a product's rounding depends on its
+    # thread count: Intel's condition for run-to-run reproducible results. Same results when it uses all.
+    "MKL_DYNAMIC": "FALSE",
+    "OMP_DYNAMIC": "FALSE",
     "PYTHONHASHSEED": "0",
     "PYTHONDONTWRITEBYTECODE": "1",
     "PYTHONUNBUFFERED": "1",
