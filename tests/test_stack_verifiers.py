@@ -279,6 +279,42 @@ def test_token_in_token_out_episodes(env, tmp_path):
         assert mine[0]["sampling_params"]["max_tokens"] == SAMPLING.max_new_tokens
 
 
+# Runs in the stack environment: what TrainClient's renderer pool imports when it first loads a tokenizer, after
+# the env server imported its RENDERER_MODULES.
+RENDERER_BUILD = TOKEN_POLICY + r"""
+import importlib
+from runner_stack_verifiers.envserver import RENDERER_MODULES
+
+tokenizer_dir = Path(sys.argv[1])
+write_tokenizer(tokenizer_dir, ["Antwort: 42", "<tool_call>"])
+for module in RENDERER_MODULES:
+    importlib.import_module(module)
+before = set(sys.modules)
+from renderers import create_renderer
+from renderers.base import load_tokenizer
+from renderers.configs import CustomRendererConfig
+from runner_stack_verifiers.renderer import import_path
+
+renderer = create_renderer(load_tokenizer(str(tokenizer_dir)), CustomRendererConfig(import_path=import_path("hermes")))
+ids = renderer.render([{"role": "user", "content": "Antwort?"}], add_generation_prompt=True).token_ids
+print(json.dumps({"ids": len(ids), "imported": sorted(set(sys.modules) - before)}))
+"""
+
+
+def test_the_env_server_imports_what_the_renderer_pool_loads_before_it_serves(env, tmp_path):
+    """Verifiers' TrainClient loads the policy's tokenizer in the env server on the first model call of a run;
+    its transformers import (~0.8 s of CPU, holding the GIL every rollout needs) happens at the env server's start
+    instead, while the trainer starts: what is left to import then is the tokenizer's own model module."""
+    run = subprocess.run([str(env.python), "-c", RENDERER_BUILD, str(tmp_path / "tokenizer")], capture_output=True,
+                         text=True, timeout=120, cwd=tmp_path, env=scrubbed_env(env.path / "bin", tmp_path / "home"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    assert out["ids"] > 0
+    late = [name for name in out["imported"] if name.partition(".")[0] == "transformers"
+            and not name.startswith("transformers.models.")]
+    assert late == [], late
+
+
 def test_environment_killed_mid_batch_loses_no_episode(env, tmp_path):
     # The env server (and every rollout process under it) is SIGKILLed when the 6th episode starts.
     assert_crash_mid_batch_loses_nothing(env, tmp_path, ["business-comm", "calc-tool", "german-rag-cited"])

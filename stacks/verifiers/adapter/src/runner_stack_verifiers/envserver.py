@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -28,6 +29,11 @@ from runner_kit.processes import die_with_parent, freeze_heap
 # What the null harness's chat program imports beyond the OpenAI SDK's: warmed in its fork server.
 CHAT_PROGRAM_MODULES = [*OPENAI_MODULES, "argparse", "tenacity", "httpx2", "httpcore2", "truststore", "mcp",
                         "mcp.client.streamable_http"]
+
+# What verifiers' TrainClient imports when it first loads the policy's tokenizer for its renderer pool, which
+# it does in front of the first batch's first model call (~0.8 s of CPU, holding the GIL of the process every
+# rollout goes through): imported before the env server serves, while the trainer starts.
+RENDERER_MODULES = ["transformers", "transformers.models.auto.tokenization_auto", "runner_stack_verifiers.renderer"]
 
 TASKSET_ID = "runner_stack_verifiers"
 
@@ -97,6 +103,8 @@ def main(argv: list[str]) -> int:
     _arm_teardown()  # SIGTERM -> KeyboardInterrupt, so serving() tears down the rollouts' subprocesses
     logging.basicConfig(level=os.environ.get("RUNNER_VF_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for module in RENDERER_MODULES:
+        importlib.import_module(module)
     script = use_environment_python_for_chat_program()
     prefork = start_prefork(ready.parent / f"prefork-{os.getpid()}", script, CHAT_PROGRAM_MODULES)
     if prefork is not None:
