@@ -282,13 +282,12 @@ def test_token_in_token_out_episodes(env, tmp_path):
 # Runs in the stack environment: what TrainClient's renderer pool imports when it first loads a tokenizer, after
 # the env server imported its RENDERER_MODULES.
 RENDERER_BUILD = TOKEN_POLICY + r"""
-import importlib
+from runner_kit.prefork import warm_up
 from runner_stack_verifiers.envserver import RENDERER_MODULES
 
 tokenizer_dir = Path(sys.argv[1])
 write_tokenizer(tokenizer_dir, ["Antwort: 42", "<tool_call>"])
-for module in RENDERER_MODULES:
-    importlib.import_module(module)
+warm_up(RENDERER_MODULES)  # as the env server's main does
 before = set(sys.modules)
 from renderers import create_renderer
 from renderers.base import load_tokenizer

@@ -240,16 +240,23 @@ class ForkedProgram:
                 self._conn.shutdown(socket.SHUT_RDWR)
 
 
-def _warm(script: str, warm: list[str]) -> types.CodeType:
-    code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
-    for entry in warm:
+def warm_up(entries: list[str]) -> None:
+    """Imports each `module` entry, and calls each `module:function` entry's function, in this process: the
+    first-use work a long-lived process (or every program forked from it) would otherwise do while serving.
+    An entry that fails is logged and skipped: what is not warmed is done on first use, as without it."""
+    for entry in entries:
         module, _, function = entry.partition(":")
         try:
             imported = importlib.import_module(module)
             if function:
                 getattr(imported, function)()
-        except Exception:  # noqa: BLE001 - what the program does not need here is simply not warmed
-            log.warning("prefork: could not warm %s", entry, exc_info=True)
+        except Exception:  # noqa: BLE001
+            log.warning("could not warm %s", entry, exc_info=True)
+
+
+def _warm(script: str, entries: list[str]) -> types.CodeType:
+    code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
+    warm_up(entries)
     # The program's own top level (its imports, class and function definitions), not its entry point.
     top_level = types.ModuleType("__prefork_warm__")
     top_level.__file__ = script

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import importlib
 import json
 import logging
 import os
 import sys
 from pathlib import Path
 
-from runner_kit.prefork import OPENAI_MODULES, start_prefork
+from runner_kit.prefork import OPENAI_MODULES, start_prefork, warm_up
 from runner_kit.processes import die_with_parent, freeze_heap
 
 # What the null harness's chat program imports beyond the OpenAI SDK's: warmed in its fork server.
@@ -103,8 +102,7 @@ def main(argv: list[str]) -> int:
     _arm_teardown()  # SIGTERM -> KeyboardInterrupt, so serving() tears down the rollouts' subprocesses
     logging.basicConfig(level=os.environ.get("RUNNER_VF_LOG", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for module in RENDERER_MODULES:
-        importlib.import_module(module)
+    warm_up(RENDERER_MODULES)
     script = use_environment_python_for_chat_program()
     prefork = start_prefork(ready.parent / f"prefork-{os.getpid()}", script, CHAT_PROGRAM_MODULES)
     if prefork is not None:
