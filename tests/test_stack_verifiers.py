@@ -314,18 +314,19 @@ def test_the_env_server_imports_what_the_renderer_pool_loads_before_it_serves(en
     assert late == [], late
     # The env server itself has imported them once it serves: its address file is written after the warm-up,
     # and transformers' tokenizer classes load the tokenizers extension, which verifiers' own imports do not.
-    ready = tmp_path / "envserver.address"
-    server = subprocess.Popen([str(env.python), "-m", "runner_stack_verifiers.envserver", str(ready)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                              env=scrubbed_env(env.path / "bin", tmp_path / "home"))
+    ready, log = tmp_path / "envserver.address", tmp_path / "envserver.log"
+    with log.open("wb") as stderr:  # a file, not a pipe nobody reads while the server starts
+        server = subprocess.Popen([str(env.python), "-m", "runner_stack_verifiers.envserver", str(ready)],
+                                  stdout=subprocess.DEVNULL, stderr=stderr, cwd=tmp_path,
+                                  env=scrubbed_env(env.path / "bin", tmp_path / "home"))
     try:
         wait_until(lambda: ready.is_file() or server.poll() is not None, "the env server's address file", 120)
-        assert ready.is_file(), f"the env server exited {server.returncode}"
+        assert ready.is_file(), f"the env server exited {server.returncode}: {log.read_text()[-3000:]}"
         maps = Path(f"/proc/{server.pid}/maps").read_text()
     finally:
         server.terminate()
-        _, stderr = server.communicate(timeout=30)
-    assert "tokenizers.abi3" in maps, stderr[-3000:]
+        server.wait(timeout=30)
+    assert "tokenizers.abi3" in maps, log.read_text()[-3000:]
 
 
 def test_environment_killed_mid_batch_loses_no_episode(env, tmp_path):
