@@ -68,12 +68,18 @@ def test_concurrent_episodes_sampled_batched_equal_one_at_a_time_bit_for_bit(trl
         print(f"this machine's SDPA refused grouped attention: {batched['attention']}")
 
 
-def test_the_row_by_row_fallbacks_in_batched_steps_are_exact_too(trl_and_policy):
+@pytest.fixture(scope="module")
+def fallbacks_and_padded(trl_and_policy):
+    """Eight episodes alone, batched with the fallbacks forced, and batched without batch invariance."""
+    return sample_both_ways(trl_and_policy, "sdpa", 8, "--fallbacks", "--padded")
+
+
+def test_the_row_by_row_fallbacks_in_batched_steps_are_exact_too(fallbacks_and_padded):
     """The fallbacks for a weight shape whose batched matmul rounds otherwise on this machine's BLAS (MKL's
     batched kernel on AVX-512 did at two intra-op threads, for the tiny policy's 642 x 128 lm_head) and for an
     SDPA that computes a row otherwise in a batch: forced, every linear multiplied and every row attended one row
     at a time."""
-    found = sample_both_ways(trl_and_policy, "sdpa", 8, "--fallbacks")
+    found = fallbacks_and_padded
     assert found["same_calls"] and found["differing"] == [], found["differing"]
     batched = found["batched"]
     assert batched["mode"] == "batched" and batched["max_rows"] >= 4, batched
@@ -81,6 +87,23 @@ def test_the_row_by_row_fallbacks_in_batched_steps_are_exact_too(trl_and_policy)
     assert batched["attention"] == "one row at a time: forced by --fallbacks", batched
     assert batched["mean_rows_per_attention_call"] == 1.0, batched
 
+
+
+def test_the_baseline_the_bench_prices_exactness_against_is_a_correct_batched_decoding(fallbacks_and_padded):
+    """`make bench` measures what exactness costs against continuous batching that is not batch-invariant
+    (batching_check --padded: one gemm per linear over all rows, one masked attention call per layer). That
+    baseline must decode the same calls correctly, or the price is wrong: its logits at the start-up check
+    within float rounding of one-at-a-time ones (with every key attended, padding included, they differed by
+    0.29), every call answered, rows sharing steps."""
+    found = fallbacks_and_padded
+    padded = found["padded"]
+    assert padded["mode"] == "batched, not batch-invariant (padded)" and padded["same_calls"], padded
+    assert padded["max_logit_difference"] < 1e-4, padded
+    assert padded["max_rows"] >= 4 and padded["mean_rows_per_attention_call"] == padded["mean_rows"] > 1, padded
+    assert 0 <= padded["ids_differing"] <= padded["differing"] <= found["calls"], padded
+    print(f"not batch-invariant: {padded['differing']} of {found['calls']} calls differ from one-at-a-time "
+          f"({padded['ids_differing']} in their sampled ids); max logit difference "
+          f"{padded['max_logit_difference']:.2g}")
 
 def test_batched_sampling_draws_what_torch_multinomial_drew_one_row_at_a_time(trl_and_policy):
     """The sampler before batching called torch.multinomial per row; batched, each row draws the same noise from

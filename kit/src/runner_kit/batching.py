@@ -651,32 +651,43 @@ class BatchingSampler:
         with self._inference():
             self._rowwise.choose_linears(self.max_rows)
             self._rowwise.choose_attention()
+            compared, refused = self.check_logits()
+        if refused:
+            return refused
+        for batched, alone in compared:
+            if not torch.equal(batched, alone):
+                difference = max(float((b - a).abs().max()) for b, a in compared)
+                return f"batched logits differ from one-at-a-time ones by up to {difference:.3g}"
+        return _sampling_batch_invariance(self.model.config.vocab_size)
+
+    def check_logits(self) -> tuple[list[tuple], str]:
+        """([(a row's logits in a batched decode step, the same call's decoded alone)] for three calls, two of
+        one length, over three steps; "") or ([], why this model's cache cannot be batched). In inference mode."""
+        import torch
+        from transformers.cache_utils import DynamicLayer
+
         vocab = self.model.config.vocab_size
         calls = [_Call([(7 * i + 3) % vocab for i in range(9)], 4, 1.0, 1.0, 0, True, 0, set()),
                  _Call([(13 * i + 1) % vocab for i in range(9)], 4, 1.0, 1.0, 0, True, 0, set()),
                  _Call([(11 * i + 5) % vocab for i in range(5)], 4, 1.0, 1.0, 0, True, 0, set())]
         steps = 3
-        with self._inference():
-            alone = []
-            for call in calls:
-                _, cache = self._prefill(call)
-                logits = []
-                for step in range(steps):
-                    output, cache = self._forward(torch.tensor([[call.prompt_ids[step]]], device=self.model.device),
-                                                  cache)
-                    logits.append(output.logits[0, -1])
-                alone.append(logits)
-            prefilled = [self._prefill(call)[1] for call in calls]
-            if not all(type(layer) is DynamicLayer for cache in prefilled for layer in cache.layers):
-                return "the model's KV cache is not a plain DynamicCache (sliding window or static)"
-            cache = _join(None, prefilled)
+        alone = []
+        for call in calls:
+            _, cache = self._prefill(call)
+            logits = []
             for step in range(steps):
-                output, cache = self._decode(calls, [call.prompt_ids[step] for call in calls], cache)
-                for row, call in enumerate(calls):
-                    if not torch.equal(output.logits[row, -1], alone[row][step]):
-                        difference = float((output.logits[row, -1] - alone[row][step]).abs().max())
-                        return f"batched logits differ from one-at-a-time ones by up to {difference:.3g}"
-        return _sampling_batch_invariance(vocab)
+                output, cache = self._forward(torch.tensor([[call.prompt_ids[step]]], device=self.model.device),
+                                              cache)
+                logits.append(output.logits[0, -1])
+            alone.append(logits)
+        prefilled = [self._prefill(call)[1] for call in calls]
+        if not all(type(layer) is DynamicLayer for cache in prefilled for layer in cache.layers):
+            return [], "the model's KV cache is not a plain DynamicCache (sliding window or static)"
+        cache, compared = _join(None, prefilled), []
+        for step in range(steps):
+            output, cache = self._decode(calls, [call.prompt_ids[step] for call in calls], cache)
+            compared += [(output.logits[row, -1], alone[row][step]) for row in range(len(calls))]
+        return compared, ""
 
 
 # (temperature, top_p, top_k, greedy) of the rows the sampling checks draw for, each for a call of its own seed

@@ -3,14 +3,15 @@ over real HTTP (their clients in a process of their own, as an environment's are
 time and then batched; prints one JSON line with both runs' calls compared bit for bit, their wall time
 and the sampler's evidence.
 
-    python -m runner_kit.batching_check POLICY_DIR [--attention sdpa] [--episodes 48] [--fallbacks]
+    python -m runner_kit.batching_check POLICY_DIR [--attention sdpa] [--episodes 48] [--fallbacks] [--padded]
     python -m runner_kit.batching_check --sampling
 
 --fallbacks multiplies every linear one row at a time in batched steps and gives every row an attention call
 of its own: the fallbacks for a weight shape whose batched matmul, or an SDPA whose batch, rounds otherwise on
-this machine (the suite checks that they are exact too). --sampling compares the batched sampler with
-torch.multinomial called one row at a time (the sampler before batching) on random logits, greedy, top-k and
-top-p rows mixed, and prints how many rows drew another token or logprob (and what a nan logit raises).
+this machine (the suite checks that they are exact too). --padded adds a third run, batched without batch
+invariance (PaddedSampler): the baseline `make bench` prices exactness against. --sampling compares the batched
+sampler with torch.multinomial called one row at a time (the sampler before batching) on random logits, greedy,
+top-k and top-p rows mixed, and prints how many rows drew another token or logprob (and what a nan logit raises).
 
 The suite (tests/test_policy_batching.py) and `make bench` (bench/bench_policy_server.py) run it in the trl
 environment."""
@@ -26,11 +27,14 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from unittest import mock
 
 from qualification.tasks import get_family
 from runner_contracts import SamplingSpec
 from runner_kit.policy import openai_tools
 
+from . import policy_server
+from .batching import BatchingSampler
 from .policy_server import PolicyServer
 
 SAMPLING = SamplingSpec(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=40, seed=7)
@@ -127,6 +131,42 @@ def run(model, tokenizer, policy_dir: str, episodes: int, max_rows: int, folder:
     return {c["call_id"]: c for c in calls}, {**server.sampler.evidence(), "idle_mode": idle_mode}, seconds
 
 
+class PaddedSampler(BatchingSampler):
+    """Continuous batching without batch invariance, the baseline `make bench` measures exactness against: a
+    decode step multiplies all its rows in one gemm per linear and attends them in one SDPA call per layer with
+    each row's left padding masked, as vLLM and TRL's generate batch. A call's tokens then depend on what shares
+    its steps (the gemm's and the kernel's rounding), which is why the policy server never samples this way."""
+
+    max_logit_difference = float("nan")  # batched against alone, on the start-up check's calls
+
+    def _compare_batched_with_alone(self) -> str:
+        with self._inference():
+            compared, refused = self.check_logits()
+        self.max_logit_difference = max((float((b - a).abs().max()) for b, a in compared), default=float("nan"))
+        return refused
+
+    def evidence(self) -> dict:
+        found = super().evidence()
+        if self.mode == "batched":
+            found.update(mode="batched, not batch-invariant (padded)", attention="one masked call per layer",
+                         attention_calls=found["decode_steps"], mean_rows_per_attention_call=found["mean_rows"])
+        return {**found, "max_logit_difference": self.max_logit_difference}
+
+    def _decode(self, calls, tokens, cache):
+        import torch
+
+        device = self.model.device
+        keys = cache.layers[0].keys.shape[2] + 1  # the padded cache's width once this step's keys are in
+        lengths = torch.tensor([[call.length + 1] for call in calls], device=device)
+        mask = (torch.arange(keys, device=device) >= keys - lengths).long()  # a row's own keys end the cache
+        output, cache = self._forward(torch.tensor([[token] for token in tokens], device=device), cache,
+                                      position_ids=torch.tensor([[call.length] for call in calls], device=device),
+                                      attention_mask=mask)
+        for call in calls:
+            call.length += 1
+        return output, cache
+
+
 def compare_sampling(steps: int = 40) -> dict:
     """The batched sampler against torch.multinomial one row at a time, as the sampler drew before it batched
     (processed_logprobs, then torch.multinomial of their exp with the call's generator), on random logits for
@@ -185,6 +225,8 @@ def main() -> None:
     parser.add_argument("--drive", metavar="BASE_URL", help="only run the episodes' clients against this server")
     parser.add_argument("--fallbacks", action="store_true",
                         help="batched steps multiply every linear and attend every row one row at a time")
+    parser.add_argument("--padded", action="store_true",
+                        help="also sample batched without batch invariance (PaddedSampler), to price exactness")
     parser.add_argument("--sampling", action="store_true", help="only compare sampling with torch.multinomial")
     args = parser.parse_args()
     if args.sampling:
@@ -206,14 +248,26 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         alone, alone_evidence, alone_s = run(model, tokenizer, args.policy_dir, args.episodes, 1, folder)
         batched, batched_evidence, batched_s = run(model, tokenizer, args.policy_dir, args.episodes, 64, folder)
+        if args.padded:
+            (Path(folder) / "padded").mkdir()
+            with mock.patch.object(policy_server, "BatchingSampler", PaddedSampler):
+                padded, padded_evidence, padded_s = run(model, tokenizer, args.policy_dir, args.episodes, 64,
+                                                        str(Path(folder) / "padded"))
     keys = ("prompt_ids", "completion_ids", "logprobs", "finish_reason")
+
+    def differing(calls: dict, fields: tuple[str, ...] = keys) -> list[str]:
+        return sorted(k for k in alone if k in calls and any(alone[k][f] != calls[k][f] for f in fields))
+
     print(json.dumps({
         "calls": len(alone), "same_calls": sorted(alone) == sorted(batched),
-        "differing": sorted(k for k in alone if k in batched and any(alone[k][f] != batched[k][f] for f in keys)),
+        "differing": differing(batched),
         "tokens": sum(len(c["completion_ids"]) for c in alone.values()),
         "caller_threads": {"before": threads_before, "after": torch.get_num_threads()},
         "alone": {**alone_evidence, "seconds": round(alone_s, 3)},
         "batched": {**batched_evidence, "seconds": round(batched_s, 3)},
+        **({"padded": {**padded_evidence, "seconds": round(padded_s, 3), "same_calls": sorted(alone) == sorted(padded),
+                       "differing": len(differing(padded)),
+                       "ids_differing": len(differing(padded, ("completion_ids",)))}} if args.padded else {}),
     }))
 
 
