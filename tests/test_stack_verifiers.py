@@ -352,14 +352,17 @@ try:
         killed = None
         if step:
             module = [TOOL_SERVER_MODULE, FORK_SERVER_MODULE][step - 1]
-            killed = [pid for pid, _ in _tree(backend.environment_pids()[0]) if module in _cmdline(pid)]
+            # [1:]: the env server is a fork of the backend's fork server, and has its cmdline
+            killed = [pid for pid, _ in _tree(backend.environment_pids()[0])[1:] if module in _cmdline(pid)]
             os.kill(killed[0], signal.SIGKILL)
         request = RolloutRequest(episodes=[msgspec.convert(e, EpisodeSpec) for e in batch],
                                  policy_base_url=args["base_url"], policy_model=args["model"],
                                  sampling=msgspec.convert(args["sampling"], SamplingSpec), concurrency=2,
                                  max_attempts=3)
         response = BatchRunner(backend).run(request)
+        parent = int(open(f"/proc/{backend.environment_pids()[0]}/stat").read().rsplit(")", 1)[1].split()[1])
         out.append({"killed": killed, "restarts": response.environment_restarts, "starts": backend.starts,
+                    "forked": parent == backend._prefork.process.pid,
                     "results": [msgspec.to_builtins(r) for r in response.results]})
 finally:
     backend.stop()
@@ -386,6 +389,9 @@ def test_tool_server_or_fork_server_killed_loses_no_episode(env, tmp_path):
     # Each killed helper took the env server with it once: one restart, the episodes that hit it retried.
     assert tools_killed["killed"] and tools_killed["restarts"] == 1 and tools_killed["starts"] == 2
     assert fork_killed["killed"] and fork_killed["restarts"] == 1 and fork_killed["starts"] == 3
+    # Every env server, the first and the restarted ones, was a fork of the backend's fork server (which imported
+    # verifiers once), not a cold start.
+    assert [batch["forked"] for batch in (before, tools_killed, fork_killed)] == [True, True, True]
     for batch in (before, tools_killed, fork_killed):
         assert_scores_as_reference(batch["results"], cases)
 

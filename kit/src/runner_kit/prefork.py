@@ -107,9 +107,11 @@ class Prefork(NamedTuple):
     address: str
 
 
-def start_prefork(directory: Path, script: Path, warm: list[str]) -> Prefork | None:
+def start_prefork(directory: Path, script: Path, warm: list[str], env: dict[str, str] | None = None) -> Prefork | None:
     """Starts the program's fork server (a child of this process that dies with it, from whichever thread)
-    and writes its launcher under `directory`; None when turned off (RUNNER_PREFORK=0).
+    and writes its launcher under `directory`; None when turned off (RUNNER_PREFORK=0). `env` is the fork
+    server's environment (this process's by default): give it what the program's would be, as what a module
+    reads from the environment when imported is read there, once.
 
     The server listens on an abstract Unix socket (no file, so no 108-byte path limit under a deep run
     directory) and serves only connections from its own uid (SO_PEERCRED), as a 0600 socket file would."""
@@ -119,8 +121,25 @@ def start_prefork(directory: Path, script: Path, warm: list[str]) -> Prefork | N
     name = f"runner-prefork-{os.getpid()}-{secrets.token_hex(8)}"
     launcher = write_launcher(directory, "\0" + name)
     process = spawn([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), str(script), *warm],
-                    stdin=subprocess.DEVNULL)
+                    stdin=subprocess.DEVNULL, env=env)
     return Prefork(process, launcher, "\0" + name)
+
+
+def wait_listening(prefork: Prefork, timeout_s: float = 10.0) -> bool:
+    """Waits until the fork server's socket is bound (from then on a launcher's request queues while it imports,
+    ~0.1 s after its start; before, the launcher starts the program plainly); False if it exited or took longer
+    than `timeout_s`."""
+    name = " @" + prefork.address[1:]
+    deadline = time.monotonic() + timeout_s
+    while prefork.process.poll() is None and time.monotonic() < deadline:
+        try:
+            with open("/proc/net/unix") as table:
+                if any(line.rstrip().endswith(name) for line in table):
+                    return True
+        except OSError:
+            return False
+        time.sleep(0.01)
+    return False
 
 
 def stop_prefork(process: subprocess.Popen) -> None:

@@ -1,5 +1,6 @@
-"""The verifiers rollout backend: episodes run natively by verifiers' env server (a subprocess we start),
-driven through its own ZMQ EnvClient, the way prime-rl's trainer drives it.
+"""The verifiers rollout backend: episodes run natively by verifiers' env server (a process we start, forked
+from a fork server that imported verifiers once, so a restart skips those imports), driven through its own ZMQ
+EnvClient, the way prime-rl's trainer drives it.
 
 Per episode the env server runs one rollout of SingleAgentEnv: the null harness's chat program (a
 subprocess, forked pre-imported by the env server's fork server) talks to verifiers' interception server,
@@ -34,8 +35,10 @@ from qualification.tasks import NativeFamily, TaskItem, get_family
 from qualification.tasks.native import row_id
 from runner_contracts import EpisodeResult, EpisodeSpec, ErrorInfo, NativeAsset, ToolCallRecord
 from runner_kit.native import import_asset_module
-from runner_kit.prefork import FORK_SERVER_MODULE
+from runner_kit.prefork import FORK_SERVER_MODULE, Prefork, start_prefork, stop_prefork, wait_listening
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
+
+from .envserver import RENDERER_MODULES
 
 READY_TIMEOUT_S = 180.0
 POLL_S = 0.2
@@ -46,19 +49,33 @@ RECYCLE_AFTER_EPISODES = 500
 # Trace errors that mean the environment (not the policy or the episode) failed; the episode is retried.
 ENVIRONMENT_ERRORS = {"ToolsetError", "SandboxError"}
 TOOL_SERVER_MODULE = "runner_stack_verifiers.toolset"
+# Env servers are forks of one fork server that imported these (verifiers, ~3 s of a cold start) when the
+# backend started: a restart after a crash, or a recycled server, starts in ~0.1 s instead.
+ENV_SERVER_SCRIPT = """import sys
+
+from runner_stack_verifiers.envserver import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
+"""
+ENV_SERVER_MODULES = ["verifiers.v1", "verifiers.v1.serve.pool", "verifiers.v1.serve.server",
+                      "runner_stack_verifiers.taskset", *RENDERER_MODULES]
 TASKS, NATIVE = "tasks", "native"  # the env servers: our taskset, a plan's native taskset
 
 
 @dataclass
 class _EnvServer:
-    """One started env-server process and the EnvClient connected to it."""
+    """One started env server and the EnvClient connected to it. `process` is what the backend started: the
+    fork server's launcher, which exits with the env server's status (and, killed, takes it along), or the
+    env server itself where the launcher fell back to a plain start; `pid` is the env server's own."""
 
     process: subprocess.Popen
+    pid: int
     address: str
     client: Any  # verifiers.v1.serve.client.EnvClient, owned by the backend's event loop
     served: int = 0
-    # (pid, start time) of the processes every rollout needs: the shared MCP tool server and, unless disabled,
-    # the chat program's fork server (its children, the running chat programs, die with it).
+    # (pid, start time) of the processes every rollout needs: the env server, its shared MCP tool server and,
+    # unless disabled, the chat program's fork server (its children, the running chat programs, die with it).
     helpers: list[tuple[int, str]] = field(default_factory=list)
 
     def alive(self) -> bool:
@@ -92,6 +109,7 @@ class VerifiersBackend(RolloutBackend):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._servers: dict[str, _EnvServer] = {}
+        self._prefork: Prefork | None = None  # the env servers' fork server
         self._lock = threading.Lock()
         self._work: Path | None = None
         self.starts = 0
@@ -105,6 +123,11 @@ class VerifiersBackend(RolloutBackend):
             if len(base) > 48 and os.access("/tmp", os.W_OK):
                 base = "/tmp"
             self._work = Path(tempfile.mkdtemp(prefix="vf-backend-", dir=base))
+            script = self._work / "envserver_main.py"
+            script.write_text(ENV_SERVER_SCRIPT)
+            self._prefork = start_prefork(self._work / "prefork", script, ENV_SERVER_MODULES, _env_server_env())
+            if self._prefork is not None:
+                wait_listening(self._prefork)  # the first env server then waits for it, not a cold start beside it
         if self.native is not None and self._native_tasks is None:
             # The client owns the taskset (as prime-rl's does): loaded here, the cause of a broken one is one line.
             self._native_tasks, self._native_tool_modules = load_native_taskset(self.native)
@@ -134,12 +157,13 @@ class VerifiersBackend(RolloutBackend):
     def environment_pids(self) -> list[int]:
         """The env servers and the helpers every rollout needs (their tool servers, their fork servers)."""
         return [pid for server in list(self._servers.values()) if server.alive()
-                for pid in (server.process.pid, *(pid for pid, _ in server.helpers))]
+                for pid, _ in server.helpers]
 
     def kill_environment(self) -> None:
         """SIGKILLs the env servers and every process they started (rollout harness programs, MCP tool servers)."""
         for server in list(self._servers.values()):
-            _kill_tree(server.process.pid)
+            _kill_tree(server.pid)
+            server.process.kill()
             server.process.wait()
 
     def stop(self) -> None:
@@ -147,6 +171,9 @@ class VerifiersBackend(RolloutBackend):
             servers, self._servers = list(self._servers.values()), {}
         for server in servers:
             self._retire(server)
+        if self._prefork is not None:
+            stop_prefork(self._prefork.process)
+            self._prefork = None
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._thread is not None:
@@ -158,14 +185,15 @@ class VerifiersBackend(RolloutBackend):
             self._work = None
 
     def _retire(self, server: _EnvServer) -> None:
-        tree = _tree(server.process.pid)  # before it exits: the rollout processes it started
+        tree = _tree(server.pid)  # before it exits: the rollout processes it started
         if server.alive():
-            server.process.terminate()  # verifiers turns SIGTERM into a clean serving() teardown
+            os.kill(server.pid, signal.SIGTERM)  # verifiers turns SIGTERM into a clean serving() teardown
             try:
                 server.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 pass
         _kill(tree)  # whatever outlived the teardown (identities checked, so a reused pid is left alone)
+        server.process.kill()  # the launcher, should it outlive the env server
         server.process.wait()
         self._close_client(server)
 
@@ -175,14 +203,14 @@ class VerifiersBackend(RolloutBackend):
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / ("verifiers-envserver.log" if kind == TASKS else "verifiers-native-envserver.log")
         log = open(log_path, "ab")
-        cmd = [sys.executable, "-m", "runner_stack_verifiers.envserver", str(ready)]
+        interpreter = str(self._prefork.launcher) if self._prefork is not None else sys.executable
+        cmd = [interpreter, str(self._work / "envserver_main.py"), str(ready)]
         if self.max_concurrent:
             cmd.append(str(self.max_concurrent))
         if kind == NATIVE:
             cmd += ["--native", json.dumps({"taskset": {**self.native.kwargs, "id": self.native.env},
                                             "max_turns": self.max_turns})]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "UV_OFFLINE": "1",
-               "PYTHONUNBUFFERED": "1"}
+        env = _env_server_env()
 
         async def popen() -> subprocess.Popen:
             # From the long-lived loop thread: the server's parent-death signal fires when the spawning
@@ -201,19 +229,20 @@ class VerifiersBackend(RolloutBackend):
                 raise RuntimeError(f"verifiers env server did not start (exit {process.poll()}){_last_error(log_path)}; "
                                    f"see {log_path}")
             time.sleep(0.05)
-        address = ready.read_text().strip()
+        address, server_pid = ready.read_text().split()  # the env server's own pid: a fork's is not process.pid
         client = self._call(self._connect(address), timeout=60)
         # The env serves only once its tool server answered (the fork server starts before), so both run now.
-        tree = [(pid, start, _cmdline(pid)) for pid, start in _tree(process.pid)]
+        tree = [(pid, start, _cmdline(pid)) for pid, start in _tree(int(server_pid))]
         tool_modules = [TOOL_SERVER_MODULE] if kind == TASKS else self._native_tool_modules
-        helpers = []
+        helpers = [(pid, start) for pid, start, _ in tree[:1]]  # the env server (a fork: its fork server's cmdline)
         for module in [*tool_modules, FORK_SERVER_MODULE]:
-            found = [(pid, start) for pid, start, cmd in tree if f"-m {module} " in f"{cmd} "]
+            found = [(pid, start) for pid, start, cmd in tree[1:] if f"-m {module} " in f"{cmd} "]
             if not found and module != FORK_SERVER_MODULE:
-                _kill_tree(process.pid)
+                _kill_tree(int(server_pid))
+                process.kill()
                 raise RuntimeError(f"verifiers env server started no tool server {module}; see {log_path}")
             helpers += found[:1]
-        return _EnvServer(process=process, address=address, client=client, helpers=helpers)
+        return _EnvServer(process=process, pid=int(server_pid), address=address, client=client, helpers=helpers)
 
     async def _connect(self, address: str):
         from verifiers.v1.serve.client import EnvClient
@@ -292,7 +321,7 @@ class VerifiersBackend(RolloutBackend):
                 break
             if not server.alive():
                 run.cancel()
-                raise EnvironmentDown(f"verifiers env server (pid {server.process.pid}, exit "
+                raise EnvironmentDown(f"verifiers env server (pid {server.pid}, exit "
                                       f"{server.process.returncode}) or its tool server died during episode "
                                       f"{episode.episode_id}")
         try:
@@ -438,6 +467,11 @@ def _last_error(log: Path) -> str:
         return ""
     causes = [line.strip() for line in lines if re.match(r"^[\w.]+(Error|Exception)\b.*: ", line.strip())]
     return f": {causes[-1][:500]}" if causes else ""
+
+
+def _env_server_env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "UV_OFFLINE": "1",
+            "PYTHONUNBUFFERED": "1"}
 
 
 def _cmdline(pid: int) -> str:

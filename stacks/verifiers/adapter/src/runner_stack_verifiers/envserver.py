@@ -1,8 +1,9 @@
 """The environment server: verifiers' own EnvServer (ZMQ, the process prime-rl's trainer talks to) hosting
 a SingleAgentEnv over our taskset, with the built-in `null` harness in the `subprocess` runtime.
 
-Run as `python -m runner_stack_verifiers.envserver READY_FILE [MAX_CONCURRENT] [--native JSON]`: it binds
-tcp://127.0.0.1 on a free port and writes the bound address to READY_FILE; it answers verifiers' health
+Run as `python -m runner_stack_verifiers.envserver READY_FILE [MAX_CONCURRENT] [--native JSON]` (the backend
+runs it as a fork of a fork server that imported it): it binds tcp://127.0.0.1 on a free port and writes the
+bound address and its pid to READY_FILE; it answers verifiers' health
 request once the env serves, and runs until SIGTERM (or its parent's death). Serving starts the taskset's MCP
 tool server (runner_stack_verifiers.toolset, shared by all rollouts) and the chat program's fork server
 (runner_kit.prefork); each rollout runs the null harness's chat program as its own subprocess.
@@ -100,7 +101,7 @@ def main(argv: list[str]) -> int:
     max_concurrent = int(argv[1]) if len(argv) > 1 else None
     die_with_parent()
     _arm_teardown()  # SIGTERM -> KeyboardInterrupt, so serving() tears down the rollouts' subprocesses
-    logging.basicConfig(level=os.environ.get("RUNNER_VF_LOG", "INFO"), stream=sys.stderr,
+    logging.basicConfig(level=os.environ.get("RUNNER_VF_LOG", "INFO"), stream=sys.stderr, force=True,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     warm_up(RENDERER_MODULES)
     script = use_environment_python_for_chat_program()
@@ -114,7 +115,7 @@ def main(argv: list[str]) -> int:
         task = asyncio.create_task(server.run())
         await asyncio.sleep(0)
         tmp = ready.with_suffix(".tmp")
-        tmp.write_text(server.address)
+        tmp.write_text(f"{server.address}\n{os.getpid()}\n")
         tmp.replace(ready)
         await task
 
