@@ -187,7 +187,8 @@ class VerifiersBackend(RolloutBackend):
     def _retire(self, server: _EnvServer) -> None:
         tree = _tree(server.pid)  # before it exits: the rollout processes it started
         if server.alive():
-            os.kill(server.pid, signal.SIGTERM)  # verifiers turns SIGTERM into a clean serving() teardown
+            with contextlib.suppress(ProcessLookupError):  # it may have died since
+                os.kill(server.pid, signal.SIGTERM)  # verifiers turns SIGTERM into a clean serving() teardown
             try:
                 server.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
