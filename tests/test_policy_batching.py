@@ -88,7 +88,6 @@ def test_the_row_by_row_fallbacks_in_batched_steps_are_exact_too(fallbacks_and_p
     assert batched["mean_rows_per_attention_call"] == 1.0, batched
 
 
-
 def test_the_baseline_the_bench_prices_exactness_against_is_a_correct_batched_decoding(fallbacks_and_padded):
     """`make bench` measures what exactness costs against continuous batching that is not batch-invariant
     (batching_check --padded: one gemm per linear over all rows, one masked attention call per layer). That
@@ -104,6 +103,7 @@ def test_the_baseline_the_bench_prices_exactness_against_is_a_correct_batched_de
     print(f"not batch-invariant: {padded['differing']} of {found['calls']} calls differ from one-at-a-time "
           f"({padded['ids_differing']} in their sampled ids); max logit difference "
           f"{padded['max_logit_difference']:.2g}")
+
 
 def test_batched_sampling_draws_what_torch_multinomial_drew_one_row_at_a_time(trl_and_policy):
     """The sampler before batching called torch.multinomial per row; batched, each row draws the same noise from

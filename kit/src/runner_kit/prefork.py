@@ -42,7 +42,7 @@ import types
 from pathlib import Path
 from typing import NamedTuple
 
-from runner_kit.processes import die_with_parent, freeze_heap, kill_trees, spawn
+from runner_kit.processes import die_with_parent, freeze_heap, kill_trees, spawn, wait_until
 
 log = logging.getLogger("runner_kit.prefork")
 
@@ -130,16 +130,16 @@ def wait_listening(prefork: Prefork, timeout_s: float = 10.0) -> bool:
     ~0.1 s after its start; before, the launcher starts the program plainly); False if it exited or took longer
     than `timeout_s`."""
     name = " @" + prefork.address[1:]
-    deadline = time.monotonic() + timeout_s
-    while prefork.process.poll() is None and time.monotonic() < deadline:
-        try:
-            with open("/proc/net/unix") as table:
-                if any(line.rstrip().endswith(name) for line in table):
-                    return True
-        except OSError:
-            return False
-        time.sleep(0.01)
-    return False
+
+    def bound() -> bool:
+        with open("/proc/net/unix") as table:
+            return any(line.rstrip().endswith(name) for line in table)
+
+    try:
+        wait_until(bound, what="the fork server", timeout_s=timeout_s, alive=lambda: prefork.process.poll() is None)
+    except (RuntimeError, OSError):
+        return False
+    return True
 
 
 def stop_prefork(process: subprocess.Popen) -> None:

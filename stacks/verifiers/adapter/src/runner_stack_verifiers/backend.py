@@ -67,16 +67,20 @@ TASKS, NATIVE = "tasks", "native"  # the env servers: our taskset, a plan's nati
 class _EnvServer:
     """One started env server and the EnvClient connected to it. `process` is what the backend started: the
     fork server's launcher, which exits with the env server's status (and, killed, takes it along), or the
-    env server itself where the launcher fell back to a plain start; `pid` is the env server's own."""
+    env server itself where the launcher fell back to a plain start."""
 
     process: subprocess.Popen
-    pid: int
     address: str
     client: Any  # verifiers.v1.serve.client.EnvClient, owned by the backend's event loop
     served: int = 0
     # (pid, start time) of the processes every rollout needs: the env server, its shared MCP tool server and,
     # unless disabled, the chat program's fork server (its children, the running chat programs, die with it).
     helpers: list[tuple[int, str]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        """The env server's own pid (the first helper): a fork's is not `process.pid`."""
+        return self.helpers[0][0]
 
     def alive(self) -> bool:
         """The env server runs, and so do its tool server and fork server."""
@@ -243,7 +247,7 @@ class VerifiersBackend(RolloutBackend):
                 process.kill()
                 raise RuntimeError(f"verifiers env server started no tool server {module}; see {log_path}")
             helpers += found[:1]
-        return _EnvServer(process=process, pid=int(server_pid), address=address, client=client, helpers=helpers)
+        return _EnvServer(process=process, address=address, client=client, helpers=helpers)
 
     async def _connect(self, address: str):
         from verifiers.v1.serve.client import EnvClient
