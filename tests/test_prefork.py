@@ -121,6 +121,37 @@ def test_a_forked_program_outlives_a_timeout_loses_no_output_and_dies_when_kille
     wait_until(lambda: gone(pid), "the fork server to kill the program", 10)
 
 
+def test_a_module_runs_as_python_m_would_run_it_and_any_other_command_line_on_the_real_interpreter(tmp_path):
+    """A module's launcher stands in for `sys.executable` where an upstream starts a server as `python -m
+    MODULE` (verifiers' MCP tool servers): that command line is forked, every other one runs plainly."""
+    package = tmp_path / "pkg" / "served_tool"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "server.py").write_text(PROGRAM)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "pkg")}
+    started = start_prefork(tmp_path / "modules", "served_tool.server", ["json"], env=env)
+    assert started is not None
+    try:
+        def served(argv: list[str]) -> dict:
+            result = subprocess.run([str(started.launcher), *argv], input="hello", capture_output=True, text=True,
+                                    cwd=tmp_path, env={**env, "EPISODE": "e-10"}, timeout=60)
+            assert result.returncode == 0, result.stderr
+            return json.loads(result.stdout)
+
+        wait_until(lambda: served(["-m", "served_tool.server"])["ppid"] == started.process.pid,
+                   "the fork server to answer", 30)
+        said = served(["-m", "served_tool.server", "--flag"])
+        del said["frozen"]
+        assert said == {"argv": [str(package / "server.py"), "--flag"], "cwd": str(tmp_path), "episode": "e-10",
+                        "ppid": started.process.pid, "stdin": "hello"}
+        plain = subprocess.run([str(started.launcher), "-c", "import os, sys; print(os.getppid(), sys.argv)"],
+                               capture_output=True, text=True, timeout=60)
+        assert plain.stdout.split(maxsplit=1) == [str(os.getpid()), "['-c']\n"], plain.stderr
+    finally:
+        started.process.kill()
+        started.process.wait()
+
+
 def test_a_program_starts_plainly_when_the_fork_server_does_not_answer(tmp_path):
     script = tmp_path / "program.py"
     script.write_text(PROGRAM)

@@ -5,8 +5,9 @@ tokenizer), the env server SIGKILLed mid-batch through the serve stage's fault i
 and the chat program's fork server SIGKILLed between batches.
 
 Slow: the first run builds the environment (~1 min; cached under RUNNER_CACHE_DIR afterwards); an env server
-takes a few seconds to start (its MCP tool server and fork server import verifiers / openai once), an episode
-then costs a fraction of a second of CPU (the chat program is forked pre-imported, the tool server is shared).
+takes a few seconds to start the first time (fork servers import verifiers, its MCP tool server and openai
+once), an episode then costs a fraction of a second of CPU (the chat program is forked pre-imported, the tool
+server is shared).
 """
 
 from __future__ import annotations
@@ -341,7 +342,7 @@ import json, os, signal, sys, time
 import msgspec
 from runner_contracts import EpisodeSpec, RolloutRequest, SamplingSpec
 from runner_kit.rollout import BatchRunner
-from runner_stack_verifiers.backend import FORK_SERVER_MODULE, TOOL_SERVER_MODULE, VerifiersBackend, _cmdline, _tree
+from runner_stack_verifiers.backend import FORK_SERVER_MODULE, VerifiersBackend, _cmdline, _tree
 
 args = json.loads(sys.stdin.read())
 backend = VerifiersBackend(log_dir=args["log_dir"])
@@ -350,10 +351,11 @@ out = []
 try:
     for step, batch in enumerate(args["batches"]):
         killed = None
-        if step:
-            module = [TOOL_SERVER_MODULE, FORK_SERVER_MODULE][step - 1]
-            # [1:]: the env server is a fork of the backend's fork server, and has its cmdline
-            killed = [pid for pid, _ in _tree(backend.environment_pids()[0])[1:] if module in _cmdline(pid)]
+        if step == 1:  # the tool server: a fork of the backend's fork server for it, not the env server's child
+            killed = [pid for pid, _ in _tree(backend._tool_preforks["tasks"].process.pid)[1:]]
+        elif step == 2:  # [1:]: the env server is a fork of the backend's fork server, and has its cmdline
+            killed = [pid for pid, _ in _tree(backend.environment_pids()[0])[1:] if FORK_SERVER_MODULE in _cmdline(pid)]
+        if killed:
             os.kill(killed[0], signal.SIGKILL)
         request = RolloutRequest(episodes=[msgspec.convert(e, EpisodeSpec) for e in batch],
                                  policy_base_url=args["base_url"], policy_model=args["model"],
@@ -361,8 +363,9 @@ try:
                                  max_attempts=3)
         response = BatchRunner(backend).run(request)
         parent = int(open(f"/proc/{backend.environment_pids()[0]}/stat").read().rsplit(")", 1)[1].split()[1])
+        tool_servers = [_cmdline(pid) for pid, _ in _tree(backend._tool_preforks["tasks"].process.pid)[1:]]
         out.append({"killed": killed, "restarts": response.environment_restarts, "starts": backend.starts,
-                    "forked": parent == backend._prefork.process.pid,
+                    "forked": parent == backend._prefork.process.pid, "tool_servers": len(tool_servers),
                     "results": [msgspec.to_builtins(r) for r in response.results]})
 finally:
     backend.stop()
@@ -390,8 +393,9 @@ def test_tool_server_or_fork_server_killed_loses_no_episode(env, tmp_path):
     assert tools_killed["killed"] and tools_killed["restarts"] == 1 and tools_killed["starts"] == 2
     assert fork_killed["killed"] and fork_killed["restarts"] == 1 and fork_killed["starts"] == 3
     # Every env server, the first and the restarted ones, was a fork of the backend's fork server (which imported
-    # verifiers once), not a cold start.
+    # verifiers once), not a cold start; so was each one's tool server, of the fork server that imported it.
     assert [batch["forked"] for batch in (before, tools_killed, fork_killed)] == [True, True, True]
+    assert [batch["tool_servers"] for batch in (before, tools_killed, fork_killed)] == [1, 1, 1]
     for batch in (before, tools_killed, fork_killed):
         assert_scores_as_reference(batch["results"], cases)
 

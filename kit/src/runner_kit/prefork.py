@@ -1,21 +1,23 @@
 """A fork server for a program a rollout runs once per episode (a harness, a chat program), so an episode
 does not pay a Python start and the import of openai and httpx (~1-1.5 s of CPU) before its first model call.
 
-A backend starts it once (`start_prefork(directory, script, warm)`, which runs `python -m runner_kit.prefork
-NAME DIR SCRIPT WARM...`, NAME an abstract socket): it compiles the program, imports the `warm` modules and
-calls the `module:function` entries among them (what the program does on first use and then caches: the
-task-family lookup, say), runs the program's own top level (and, when openai is imported, makes a few
-chat-completion calls through the SDK against a throwaway server on 127.0.0.1, so that the SDK's lazily built
-models and caches are built once, not in every child), loads SSL contexts from the CA bundle files a program
-may name (certifi's, SSL_CERT_FILE) for the children to take, and forks one child per request. A backend that
-starts the program itself asks the fork server directly (`ForkedProgram`); where an upstream starts it from an
-interpreter path, it runs it through the launcher this module writes (`<dir>/bin/python`, a `python -SE`
-script) instead of the interpreter. Either hands the argv, working directory, environment and stdio
-descriptors to the fork server and gets the child's status (128 + N when signal N killed it, as a shell
-reports). The child runs the unchanged program as `__main__` with exactly those. When the connection closes
-(the launcher dies, or `ForkedProgram.kill()`) the fork server SIGKILLs the child's group; the child dies with
-the fork server, which dies with the backend. When the fork server cannot be reached, the program starts
-plainly on the real interpreter, as without the fork server. RUNNER_PREFORK=0 turns it off.
+A backend starts it once (`start_prefork(directory, program, warm)`, which runs `python -m runner_kit.prefork
+NAME DIR PROGRAM WARM...`, NAME an abstract socket; the program is a script, or `-mMODULE` for a module run as
+`python -m MODULE`): it compiles the script (imports the module), imports the `warm` modules and calls the
+`module:function` entries among them (what the program does on first use and then caches: the task-family
+lookup, say), runs the program's own top level (and, when openai is imported, makes a few chat-completion calls
+through the SDK against a throwaway server on 127.0.0.1, so that the SDK's lazily built models and caches are
+built once, not in every child), loads SSL contexts from the CA bundle files a program may name (certifi's,
+SSL_CERT_FILE) for the children to take, and forks one child per request. A backend that starts the program
+itself asks the fork server directly (`ForkedProgram`); where an upstream starts it from an interpreter path, it
+runs it through the launcher this module writes (`<dir>/bin/python`, a `python -SE` script) instead of the
+interpreter; a module's launcher runs any other command line (`python -c ...`) on the real interpreter, so it
+can stand in for `sys.executable` in a process that starts the module that way. Either hands the argv, working
+directory, environment and stdio descriptors to the fork server and gets the child's status (128 + N when signal
+N killed it, as a shell reports). The child runs the unchanged program as `__main__` with exactly those. When
+the connection closes (the launcher dies, or `ForkedProgram.kill()`) the fork server SIGKILLs the child's group;
+the child dies with the fork server, which dies with the backend. When the fork server cannot be reached, the
+program starts plainly on the real interpreter, as without the fork server. RUNNER_PREFORK=0 turns it off.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import logging
 import marshal
 import os
+import runpy
 import secrets
 import select
 import selectors
@@ -58,11 +61,13 @@ HEADER = struct.Struct("!Q")
 # socket, json and struct wrappers would add ~9 more to every episode. Its interpreter is the fork server's,
 # so both read the same marshal format; only our own uid can reach the server (SO_PEERCRED).
 LAUNCHER = r'''#!{python} -SE
-# Written by runner_kit.prefork: runs a script in a child of the fork server at {socket!r}.
+# Written by runner_kit.prefork: runs {program} in a child of the fork server at {socket!r}.
 import _socket, marshal, os, sys
-SOCKET, PYTHON = {socket!r}, {python!r}
+SOCKET, PYTHON, MODULE = {socket!r}, {python!r}, {module!r}
 def plain():
     os.execv(PYTHON, [PYTHON, *sys.argv[1:]])
+if MODULE is not None and sys.argv[1:3] != ["-m", MODULE]:
+    plain()
 try:
     conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     conn.connect(SOCKET)
@@ -90,11 +95,16 @@ sys.exit(int.from_bytes(status, "big", signed=True))
 '''
 
 
-def write_launcher(directory: Path, socket_path: str, python: str = sys.executable) -> Path:
+def _module(program: str) -> str | None:
+    """The module a fork server's program argument names (`-mMODULE`), None for a script."""
+    return program[2:] if program.startswith("-m") else None
+
+
+def write_launcher(directory: Path, socket_path: str, program: str, python: str = sys.executable) -> Path:
     """`<directory>/bin/python`: the runtime derives VIRTUAL_ENV and PATH from the interpreter's location."""
     launcher = directory / "bin" / "python"
     launcher.parent.mkdir(parents=True, exist_ok=True)
-    launcher.write_text(LAUNCHER.format(python=python, socket=socket_path))
+    launcher.write_text(LAUNCHER.format(python=python, socket=socket_path, program=program, module=_module(program)))
     launcher.chmod(0o755)
     return launcher
 
@@ -107,11 +117,13 @@ class Prefork(NamedTuple):
     address: str
 
 
-def start_prefork(directory: Path, script: Path, warm: list[str], env: dict[str, str] | None = None) -> Prefork | None:
-    """Starts the program's fork server (a child of this process that dies with it, from whichever thread)
-    and writes its launcher under `directory`; None when turned off (RUNNER_PREFORK=0). `env` is the fork
-    server's environment (this process's by default): give it what the program's would be, as what a module
-    reads from the environment when imported is read there, once.
+def start_prefork(directory: Path, program: Path | str, warm: list[str],
+                  env: dict[str, str] | None = None) -> Prefork | None:
+    """Starts the program's fork server (a child of this process that dies with it, from whichever thread) and
+    writes its launcher under `directory`; None when turned off (RUNNER_PREFORK=0). The program is a script (a Path,
+    run as `python SCRIPT ...`) or a module's name (a str, run as `python -m MODULE ...`). `env` is the fork
+    server's environment (this process's by default): give it what the program's would be, as what a module reads
+    from the environment when imported is read there, once.
 
     The server listens on an abstract Unix socket (no file, so no 108-byte path limit under a deep run
     directory) and serves only connections from its own uid (SO_PEERCRED), as a 0600 socket file would."""
@@ -119,8 +131,9 @@ def start_prefork(directory: Path, script: Path, warm: list[str], env: dict[str,
         return None
     directory.mkdir(parents=True, exist_ok=True)
     name = f"runner-prefork-{os.getpid()}-{secrets.token_hex(8)}"
-    launcher = write_launcher(directory, "\0" + name)
-    process = spawn([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), str(script), *warm],
+    argument = str(program) if isinstance(program, Path) else f"-m{program}"
+    launcher = write_launcher(directory, "\0" + name, argument)
+    process = spawn([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), argument, *warm],
                     stdin=subprocess.DEVNULL, env=env)
     return Prefork(process, launcher, "\0" + name)
 
@@ -273,19 +286,25 @@ def warm_up(entries: list[str]) -> None:
             log.warning("could not warm %s", entry, exc_info=True)
 
 
-def _warm(script: str, entries: list[str]) -> types.CodeType:
-    code = compile(Path(script).read_bytes(), script, "exec", dont_inherit=True)
-    warm_up(entries)
-    # The program's own top level (its imports, class and function definitions), not its entry point.
-    top_level = types.ModuleType("__prefork_warm__")
-    top_level.__file__ = script
-    sys.modules[top_level.__name__] = top_level
-    try:
-        exec(code, top_level.__dict__)
-    except Exception:  # noqa: BLE001
-        log.warning("prefork: warming %s failed", script, exc_info=True)
-    finally:
-        sys.modules.pop(top_level.__name__, None)
+def _warm(program: str, entries: list[str]) -> types.CodeType | None:
+    """Imports what the program would; the script's code (None for a module, which runpy finds in the child)."""
+    module = _module(program)
+    if module is not None:
+        warm_up([*entries, module])  # its imports, class and function definitions, not its `__main__` block
+        code = None
+    else:
+        code = compile(Path(program).read_bytes(), program, "exec", dont_inherit=True)
+        warm_up(entries)
+        # The program's own top level (its imports, class and function definitions), not its entry point.
+        top_level = types.ModuleType("__prefork_warm__")
+        top_level.__file__ = program
+        sys.modules[top_level.__name__] = top_level
+        try:
+            exec(code, top_level.__dict__)
+        except Exception:  # noqa: BLE001
+            log.warning("prefork: warming %s failed", program, exc_info=True)
+        finally:
+            sys.modules.pop(top_level.__name__, None)
     try:  # what openai's platform headers ask for (`uname -p` in a subprocess otherwise); the CA bundle path
         import platform
 
@@ -478,7 +497,7 @@ def _hand_out_loaded_ca_files(loaded: dict[tuple[str, int, int], list]) -> None:
     ssl.create_default_context = create_default_context
 
 
-def _child(request: dict, fds: list[int], code: types.CodeType, script: str, launcher_bin: str,
+def _child(request: dict, fds: list[int], code: types.CodeType | None, program: str, launcher_bin: str,
            ca_contexts: dict) -> None:
     """In the forked child: become the program (never returns)."""
     status = 1
@@ -498,16 +517,25 @@ def _child(request: dict, fds: list[int], code: types.CodeType, script: str, lau
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
-        if not argv or os.path.realpath(argv[0]) != os.path.realpath(script):
-            raise SystemExit(f"prefork: this fork server runs {script}, not {argv[:1]}")
+        module = _module(program)
+        if module is not None:
+            if argv[:2] != ["-m", module]:
+                raise SystemExit(f"prefork: this fork server runs -m {module}, not {argv[:2]}")
+        elif not argv or os.path.realpath(argv[0]) != os.path.realpath(program):
+            raise SystemExit(f"prefork: this fork server runs {program}, not {argv[:1]}")
         _hand_out_loaded_ca_files(ca_contexts)
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-        main = types.ModuleType("__main__")
-        main.__file__ = argv[0]
-        sys.modules["__main__"] = main
         try:
-            exec(code, main.__dict__)
+            if module is not None:  # as `python -m`: the working directory first on the path, argv[0] the file
+                sys.argv = [module, *argv[2:]]
+                sys.path[0] = os.getcwd()
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = list(argv)
+                sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+                main = types.ModuleType("__main__")
+                main.__file__ = argv[0]
+                sys.modules["__main__"] = main
+                exec(code, main.__dict__)
             status = 0
         except SystemExit as stop:
             if stop.code is None:
@@ -534,7 +562,7 @@ def _child(request: dict, fds: list[int], code: types.CodeType, script: str, lau
         os._exit(status & 0xFF)
 
 
-def serve(name: str, launcher_dir: str, script: str, warm: list[str]) -> None:
+def serve(name: str, launcher_dir: str, program: str, warm: list[str]) -> None:
     """Serves on the abstract socket `name` the launcher in `launcher_dir` connects to."""
     die_with_parent()
     launcher_bin = str(Path(launcher_dir) / "bin")
@@ -542,7 +570,7 @@ def serve(name: str, launcher_dir: str, script: str, warm: list[str]) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(256)  # launchers queue here while the imports below run
-    code = _warm(script, warm)
+    code = _warm(program, warm)
     ca_contexts = _load_ca_files()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -554,7 +582,7 @@ def serve(name: str, launcher_dir: str, script: str, warm: list[str]) -> None:
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(wake_r, selectors.EVENT_READ, "wake")
     children: dict[int, socket.socket | None] = {}  # child pid -> its launcher's connection (None once gone)
-    log.info("prefork: serving %s on @%s", script, name)
+    log.info("prefork: serving %s on @%s", program, name)
 
     def reap() -> None:
         while children:
@@ -616,7 +644,7 @@ def serve(name: str, launcher_dir: str, script: str, warm: list[str]) -> None:
                             os.close(fd)
                         except OSError:
                             pass
-                    _child(request, fds, code, script, launcher_bin, ca_contexts)
+                    _child(request, fds, code, program, launcher_bin, ca_contexts)
                 for fd in fds:
                     os.close(fd)
                 children[pid] = conn

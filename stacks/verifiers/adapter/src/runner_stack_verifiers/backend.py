@@ -2,14 +2,16 @@
 from a fork server that imported verifiers once, so a restart skips those imports), driven through its own ZMQ
 EnvClient, the way prime-rl's trainer drives it.
 
-Per episode the env server runs one rollout of SingleAgentEnv: the null harness's chat program (a
-subprocess, forked pre-imported by the env server's fork server) talks to verifiers' interception server,
-which calls the policy through the episode's client; the taskset's MCP tool server (one subprocess per env
-server, reached by each rollout under its own state route) runs the family's tools on the rollout's state;
-the task's @vf.reward calls the reference scorer. A plan's native asset (a team's taskset package) gets an env
-server of its own, loaded by verifiers' `load_environment`, and its tasks' own rewards score its episodes; our
-taskset's server then starts only when an episode of our families (the retention probe) comes. The client config is per episode: its base URL names the episode
-(http://127.0.0.1:PORT/episodes/<id>/v1), TrainClient (token-in/token-out with the policy's local
+Per episode the env server runs one rollout of SingleAgentEnv: the null harness's chat program (a subprocess,
+forked pre-imported by the env server's fork server) talks to verifiers' interception server, which calls the
+policy through the episode's client; the taskset's MCP tool server (one subprocess per env server, reached by
+each rollout under its own state route) runs the family's tools on the rollout's state; the task's @vf.reward
+calls the reference scorer. The tool server too is a fork, of a second fork server that imported its module:
+verifiers starts it as `sys.executable -m MODULE`, and the env server's `sys.executable` is that fork server's
+launcher. A plan's native asset (a team's taskset package) gets an env server of its own, loaded by verifiers'
+`load_environment`, and its tasks' own rewards score its episodes; our taskset's server then starts only when an
+episode of our families (the retention probe) comes. The client config is per episode: its base URL names the
+episode (http://127.0.0.1:PORT/episodes/<id>/v1), TrainClient (token-in/token-out with the policy's local
 tokenizer) when the endpoint has a tokenizer_dir, EvalClient (relay to /v1/chat/completions) otherwise.
 """
 
@@ -38,7 +40,7 @@ from runner_kit.native import import_asset_module
 from runner_kit.prefork import FORK_SERVER_MODULE, Prefork, start_prefork, stop_prefork, wait_listening
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
-from .envserver import RENDERER_MODULES
+from .envserver import RENDERER_MODULES, TOOL_PYTHON_VARIABLE
 
 READY_TIMEOUT_S = 180.0
 POLL_S = 0.2
@@ -60,6 +62,12 @@ if __name__ == "__main__":
 """
 ENV_SERVER_MODULES = ["verifiers.v1", "verifiers.v1.serve.pool", "verifiers.v1.serve.server",
                       "runner_stack_verifiers.taskset", *RENDERER_MODULES]
+# What a tool server imports once it runs (verifiers' `_serve`, uvicorn's loop and protocol): warmed in the tool
+# servers' fork server.
+TOOL_SERVER_WARM = ["uvicorn", "uvicorn.loops.auto", "uvicorn.loops.asyncio", "uvicorn.protocols.http.auto",
+                    "uvicorn.protocols.http.h11_impl", "uvicorn.protocols.websockets.auto", "uvicorn.lifespan.on",
+                    "mcp.server.mcpserver", "mcp.server.transport_security", "mcp.server.streamable_http_manager",
+                    "httpx", "anyio.streams.stapled", "anyio.streams.tls", "anyio._core._sockets"]
 TASKS, NATIVE = "tasks", "native"  # the env servers: our taskset, a plan's native taskset
 
 
@@ -114,6 +122,7 @@ class VerifiersBackend(RolloutBackend):
         self._thread: threading.Thread | None = None
         self._servers: dict[str, _EnvServer] = {}
         self._prefork: Prefork | None = None  # the env servers' fork server
+        self._tool_preforks: dict[str, Prefork] = {}  # per kind of env server: its MCP tool server's fork server
         self._lock = threading.Lock()
         self._work: Path | None = None
         self.starts = 0
@@ -175,9 +184,10 @@ class VerifiersBackend(RolloutBackend):
             servers, self._servers = list(self._servers.values()), {}
         for server in servers:
             self._retire(server)
-        if self._prefork is not None:
-            stop_prefork(self._prefork.process)
-            self._prefork = None
+        for prefork in [self._prefork, *self._tool_preforks.values()]:
+            if prefork is not None:
+                stop_prefork(prefork.process)
+        self._prefork, self._tool_preforks = None, {}
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._thread is not None:
@@ -216,6 +226,8 @@ class VerifiersBackend(RolloutBackend):
             cmd += ["--native", json.dumps({"taskset": {**self.native.kwargs, "id": self.native.env},
                                             "max_turns": self.max_turns})]
         env = _env_server_env()
+        if (tool_python := self._tool_python(kind)) is not None:
+            env[TOOL_PYTHON_VARIABLE] = tool_python
 
         async def popen() -> subprocess.Popen:
             # From the long-lived loop thread: the server's parent-death signal fires when the spawning
@@ -238,9 +250,9 @@ class VerifiersBackend(RolloutBackend):
         client = self._call(self._connect(address), timeout=60)
         # The env serves only once its tool server answered (the fork server starts before), so both run now.
         tree = [(pid, start, _cmdline(pid)) for pid, start in _tree(int(server_pid))]
-        tool_modules = [TOOL_SERVER_MODULE] if kind == TASKS else self._native_tool_modules
         helpers = [(pid, start) for pid, start, _ in tree[:1]]  # the env server (a fork: its fork server's cmdline)
-        for module in [*tool_modules, FORK_SERVER_MODULE]:
+        # A forked tool server is the fork server's child: its launcher, which lives as long, stands for it.
+        for module in [*self._tool_modules(kind), FORK_SERVER_MODULE]:
             found = [(pid, start) for pid, start, cmd in tree[1:] if f"-m {module} " in f"{cmd} "]
             if not found and module != FORK_SERVER_MODULE:
                 _kill_tree(int(server_pid))
@@ -248,6 +260,22 @@ class VerifiersBackend(RolloutBackend):
                 raise RuntimeError(f"verifiers env server started no tool server {module}; see {log_path}")
             helpers += found[:1]
         return _EnvServer(process=process, address=address, client=client, helpers=helpers)
+
+    def _tool_modules(self, kind: str) -> list[str]:
+        return [TOOL_SERVER_MODULE] if kind == TASKS else self._native_tool_modules
+
+    def _tool_python(self, kind: str) -> str | None:
+        """The launcher of the fork server of `kind`'s MCP tool server, started on first use: the env server's
+        `sys.executable`, as verifiers starts a tool server `sys.executable -m MODULE` (~2.5 s of imports cold, a
+        fork in ~0.1 s). None where there is not exactly one tool server module, or forks are turned off."""
+        modules = self._tool_modules(kind)
+        if kind not in self._tool_preforks and len(modules) == 1:
+            prefork = start_prefork(self._work / f"tools-{kind}", modules[0], TOOL_SERVER_WARM, _env_server_env())
+            if prefork is not None:
+                wait_listening(prefork)
+                self._tool_preforks[kind] = prefork
+        prefork = self._tool_preforks.get(kind)
+        return None if prefork is None else str(prefork.launcher)
 
     async def _connect(self, address: str):
         from verifiers.v1.serve.client import EnvClient

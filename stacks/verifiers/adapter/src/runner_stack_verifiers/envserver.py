@@ -36,6 +36,10 @@ CHAT_PROGRAM_MODULES = [*OPENAI_MODULES, "argparse", "tenacity", "httpx2", "http
 RENDERER_MODULES = ["transformers", "transformers.models.auto.tokenization_auto", "runner_stack_verifiers.renderer"]
 
 TASKSET_ID = "runner_stack_verifiers"
+# The launcher of the backend's fork server for this env's MCP tool server (runner_kit.prefork), set as
+# `sys.executable`: verifiers starts the tool server as `sys.executable -m MODULE`, which the launcher forks
+# pre-imported; any other command line it runs on the real interpreter.
+TOOL_PYTHON_VARIABLE = "RUNNER_VF_TOOL_PYTHON"
 
 
 def env_config(max_concurrent_agents: int = 1):
@@ -108,6 +112,8 @@ def main(argv: list[str]) -> int:
     prefork = start_prefork(ready.parent / f"prefork-{os.getpid()}", script, CHAT_PROGRAM_MODULES)
     if prefork is not None:
         use_environment_python_for_chat_program(str(prefork.launcher))
+    if tool_python := os.environ.get(TOOL_PYTHON_VARIABLE):
+        sys.executable = tool_python  # last: what started above runs on the real interpreter
     server = EnvServer(env_config() if native is None else native_env_config(native), address="tcp://127.0.0.1:0", max_concurrent=max_concurrent)
     freeze_heap()
 
