@@ -107,6 +107,16 @@ def test_a_program_run_from_this_process_is_a_fork_of_the_server_without_a_launc
     assert forked(started, script, "die")[0].returncode == 128 + signal.SIGKILL
 
 
+def test_a_fork_server_refuses_a_program_it_does_not_run_and_says_so(prefork, tmp_path):
+    started, _ = answering(prefork, tmp_path)
+    other = tmp_path / "other.py"
+    other.write_text("print('ran')")
+    program = ForkedProgram(started, [str(other)], env=dict(os.environ))
+    out, err = program.communicate(timeout=60)
+    assert program.forked and program.returncode == 1 and out == ""
+    assert f"this fork server runs {prefork[1]}, not ['{other}']" in err
+
+
 def test_a_forked_program_outlives_a_timeout_loses_no_output_and_dies_when_killed(prefork, tmp_path):
     started, script = answering(prefork, tmp_path)
     pid_file = tmp_path / "sleeper.pid"
@@ -121,15 +131,17 @@ def test_a_forked_program_outlives_a_timeout_loses_no_output_and_dies_when_kille
     wait_until(lambda: gone(pid), "the fork server to kill the program", 10)
 
 
-def test_a_module_runs_as_python_m_would_run_it_and_any_other_command_line_on_the_real_interpreter(tmp_path):
-    """A module's launcher stands in for `sys.executable` where an upstream starts a server as `python -m
-    MODULE` (verifiers' MCP tool servers): that command line is forked, every other one runs plainly."""
+def test_modules_run_as_python_m_would_run_them_and_any_other_command_line_on_the_real_interpreter(tmp_path):
+    """The launcher of modules stands in for `sys.executable` where an upstream starts a server as `python -m
+    MODULE` (verifiers' MCP tool servers): those command lines are forked, every other one runs plainly."""
     package = tmp_path / "pkg" / "served_tool"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "server.py").write_text(PROGRAM)
+    for module in ("other", "unserved"):
+        (package / f"{module}.py").write_text(PROGRAM)
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "pkg")}
-    started = start_prefork(tmp_path / "modules", "served_tool.server", ["json"], env=env)
+    started = start_prefork(tmp_path / "modules", ["served_tool.server", "served_tool.other"], ["json"], env=env)
     assert started is not None
     try:
         def served(argv: list[str]) -> dict:
@@ -140,10 +152,12 @@ def test_a_module_runs_as_python_m_would_run_it_and_any_other_command_line_on_th
 
         wait_until(lambda: served(["-m", "served_tool.server"])["ppid"] == started.process.pid,
                    "the fork server to answer", 30)
-        said = served(["-m", "served_tool.server", "--flag"])
-        del said["frozen"]
-        assert said == {"argv": [str(package / "server.py"), "--flag"], "cwd": str(tmp_path), "episode": "e-10",
-                        "ppid": started.process.pid, "stdin": "hello"}
+        for module in ("server", "other"):
+            said = served(["-m", f"served_tool.{module}", "--flag"])
+            del said["frozen"]
+            assert said == {"argv": [str(package / f"{module}.py"), "--flag"], "cwd": str(tmp_path),
+                            "episode": "e-10", "ppid": started.process.pid, "stdin": "hello"}
+        assert served(["-m", "served_tool.unserved"])["ppid"] == os.getpid()  # a module it does not serve: plain
         plain = subprocess.run([str(started.launcher), "-c", "import os, sys; print(os.getppid(), sys.argv)"],
                                capture_output=True, text=True, timeout=60)
         assert plain.stdout.split(maxsplit=1) == [str(os.getpid()), "['-c']\n"], plain.stderr

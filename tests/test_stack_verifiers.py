@@ -342,7 +342,11 @@ import json, os, signal, sys, time
 import msgspec
 from runner_contracts import EpisodeSpec, RolloutRequest, SamplingSpec
 from runner_kit.rollout import BatchRunner
-from runner_stack_verifiers.backend import FORK_SERVER_MODULE, VerifiersBackend, _cmdline, _tree
+from runner_stack_verifiers.backend import FORK_SERVER_MODULE, VerifiersBackend, _cmdline, _processes, _tree
+
+def tool_servers():  # forks of the backend's fork server, as the env server is, but not the env server
+    return [pid for pid, (parent, _) in _processes().items()
+            if parent == backend._prefork.process.pid and pid != backend.environment_pids()[0]]
 
 args = json.loads(sys.stdin.read())
 backend = VerifiersBackend(log_dir=args["log_dir"])
@@ -351,8 +355,8 @@ out = []
 try:
     for step, batch in enumerate(args["batches"]):
         killed = None
-        if step == 1:  # the tool server: a fork of the backend's fork server for it, not the env server's child
-            killed = [pid for pid, _ in _tree(backend._tool_preforks["tasks"].process.pid)[1:]]
+        if step == 1:
+            killed = tool_servers()
         elif step == 2:  # [1:]: the env server is a fork of the backend's fork server, and has its cmdline
             killed = [pid for pid, _ in _tree(backend.environment_pids()[0])[1:] if FORK_SERVER_MODULE in _cmdline(pid)]
         if killed:
@@ -363,9 +367,8 @@ try:
                                  max_attempts=3)
         response = BatchRunner(backend).run(request)
         parent = int(open(f"/proc/{backend.environment_pids()[0]}/stat").read().rsplit(")", 1)[1].split()[1])
-        tool_servers = [_cmdline(pid) for pid, _ in _tree(backend._tool_preforks["tasks"].process.pid)[1:]]
         out.append({"killed": killed, "restarts": response.environment_restarts, "starts": backend.starts,
-                    "forked": parent == backend._prefork.process.pid, "tool_servers": len(tool_servers),
+                    "forked": parent == backend._prefork.process.pid, "tool_servers": len(tool_servers()),
                     "results": [msgspec.to_builtins(r) for r in response.results]})
 finally:
     backend.stop()
@@ -393,7 +396,7 @@ def test_tool_server_or_fork_server_killed_loses_no_episode(env, tmp_path):
     assert tools_killed["killed"] and tools_killed["restarts"] == 1 and tools_killed["starts"] == 2
     assert fork_killed["killed"] and fork_killed["restarts"] == 1 and fork_killed["starts"] == 3
     # Every env server, the first and the restarted ones, was a fork of the backend's fork server (which imported
-    # verifiers once), not a cold start; so was each one's tool server, of the fork server that imported it.
+    # verifiers once), not a cold start, and so was each one's tool server.
     assert [batch["forked"] for batch in (before, tools_killed, fork_killed)] == [True, True, True]
     assert [batch["tool_servers"] for batch in (before, tools_killed, fork_killed)] == [1, 1, 1]
     for batch in (before, tools_killed, fork_killed):

@@ -2,22 +2,23 @@
 does not pay a Python start and the import of openai and httpx (~1-1.5 s of CPU) before its first model call.
 
 A backend starts it once (`start_prefork(directory, program, warm)`, which runs `python -m runner_kit.prefork
-NAME DIR PROGRAM WARM...`, NAME an abstract socket; the program is a script, or `-mMODULE` for a module run as
-`python -m MODULE`): it compiles the script (imports the module), imports the `warm` modules and calls the
-`module:function` entries among them (what the program does on first use and then caches: the task-family
-lookup, say), runs the program's own top level (and, when openai is imported, makes a few chat-completion calls
-through the SDK against a throwaway server on 127.0.0.1, so that the SDK's lazily built models and caches are
-built once, not in every child), loads SSL contexts from the CA bundle files a program may name (certifi's,
+NAME DIR PROGRAM WARM...`, NAME an abstract socket; the program is a script, or `-mMODULE[,MODULE...]` for
+modules run as `python -m MODULE`): it compiles the script (imports the modules), imports the `warm` modules and
+calls the `module:function` entries among them (what the program does on first use and then caches: the task-
+family lookup, say), runs the program's own top level (and, when openai is imported, makes a few chat-completion
+calls through the SDK against a throwaway server on 127.0.0.1, so that the SDK's lazily built models and caches
+are built once, not in every child), loads SSL contexts from the CA bundle files a program may name (certifi's,
 SSL_CERT_FILE) for the children to take, and forks one child per request. A backend that starts the program
 itself asks the fork server directly (`ForkedProgram`); where an upstream starts it from an interpreter path, it
 runs it through the launcher this module writes (`<dir>/bin/python`, a `python -SE` script) instead of the
-interpreter; a module's launcher runs any other command line (`python -c ...`) on the real interpreter, so it
-can stand in for `sys.executable` in a process that starts the module that way. Either hands the argv, working
-directory, environment and stdio descriptors to the fork server and gets the child's status (128 + N when signal
-N killed it, as a shell reports). The child runs the unchanged program as `__main__` with exactly those. When
-the connection closes (the launcher dies, or `ForkedProgram.kill()`) the fork server SIGKILLs the child's group;
-the child dies with the fork server, which dies with the backend. When the fork server cannot be reached, the
-program starts plainly on the real interpreter, as without the fork server. RUNNER_PREFORK=0 turns it off.
+interpreter; the launcher of modules runs any other command line (`python -c ...`) on the real interpreter, so
+it can stand in for `sys.executable` in a process that starts the modules that way. Either hands the argv,
+working directory, environment and stdio descriptors to the fork server and gets the child's status (128 + N
+when signal N killed it, as a shell reports). The child runs the unchanged program as `__main__` with exactly
+those. When the connection closes (the launcher dies, or `ForkedProgram.kill()`) the fork server SIGKILLs the
+child's group; the child dies with the fork server, which dies with the backend. When the fork server cannot be
+reached, the program starts plainly on the real interpreter, as without the fork server. RUNNER_PREFORK=0 turns
+it off.
 """
 
 from __future__ import annotations
@@ -63,10 +64,10 @@ HEADER = struct.Struct("!Q")
 LAUNCHER = r'''#!{python} -SE
 # Written by runner_kit.prefork: runs {program} in a child of the fork server at {socket!r}.
 import _socket, marshal, os, sys
-SOCKET, PYTHON, MODULE = {socket!r}, {python!r}, {module!r}
+SOCKET, PYTHON, MODULES = {socket!r}, {python!r}, {modules!r}
 def plain():
     os.execv(PYTHON, [PYTHON, *sys.argv[1:]])
-if MODULE is not None and sys.argv[1:3] != ["-m", MODULE]:
+if MODULES is not None and not (len(sys.argv) > 2 and sys.argv[1] == "-m" and sys.argv[2] in MODULES):
     plain()
 try:
     conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
@@ -95,16 +96,17 @@ sys.exit(int.from_bytes(status, "big", signed=True))
 '''
 
 
-def _module(program: str) -> str | None:
-    """The module a fork server's program argument names (`-mMODULE`), None for a script."""
-    return program[2:] if program.startswith("-m") else None
+def _modules(program: str) -> tuple[str, ...] | None:
+    """The modules a fork server's program argument names (`-mMODULE[,MODULE...]`), None for a script."""
+    return tuple(program[2:].split(",")) if program.startswith("-m") else None
 
 
 def write_launcher(directory: Path, socket_path: str, program: str, python: str = sys.executable) -> Path:
     """`<directory>/bin/python`: the runtime derives VIRTUAL_ENV and PATH from the interpreter's location."""
     launcher = directory / "bin" / "python"
     launcher.parent.mkdir(parents=True, exist_ok=True)
-    launcher.write_text(LAUNCHER.format(python=python, socket=socket_path, program=program, module=_module(program)))
+    launcher.write_text(LAUNCHER.format(python=python, socket=socket_path, program=program,
+                                             modules=_modules(program)))
     launcher.chmod(0o755)
     return launcher
 
@@ -117,13 +119,13 @@ class Prefork(NamedTuple):
     address: str
 
 
-def start_prefork(directory: Path, program: Path | str, warm: list[str],
+def start_prefork(directory: Path, program: Path | str | list[str], warm: list[str],
                   env: dict[str, str] | None = None) -> Prefork | None:
     """Starts the program's fork server (a child of this process that dies with it, from whichever thread) and
     writes its launcher under `directory`; None when turned off (RUNNER_PREFORK=0). The program is a script (a Path,
-    run as `python SCRIPT ...`) or a module's name (a str, run as `python -m MODULE ...`). `env` is the fork
-    server's environment (this process's by default): give it what the program's would be, as what a module reads
-    from the environment when imported is read there, once.
+    run as `python SCRIPT ...`) or modules' names (a str or a list, run as `python -m MODULE ...`). `env` is the
+    fork server's environment (this process's by default): give it what the program's would be, as what a module
+    reads from the environment when imported is read there, once.
 
     The server listens on an abstract Unix socket (no file, so no 108-byte path limit under a deep run
     directory) and serves only connections from its own uid (SO_PEERCRED), as a 0600 socket file would."""
@@ -131,7 +133,8 @@ def start_prefork(directory: Path, program: Path | str, warm: list[str],
         return None
     directory.mkdir(parents=True, exist_ok=True)
     name = f"runner-prefork-{os.getpid()}-{secrets.token_hex(8)}"
-    argument = str(program) if isinstance(program, Path) else f"-m{program}"
+    argument = str(program) if isinstance(program, Path) else "-m" + (program if isinstance(program, str)
+                                                                      else ",".join(program))
     launcher = write_launcher(directory, "\0" + name, argument)
     process = spawn([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), argument, *warm],
                     stdin=subprocess.DEVNULL, env=env)
@@ -287,10 +290,10 @@ def warm_up(entries: list[str]) -> None:
 
 
 def _warm(program: str, entries: list[str]) -> types.CodeType | None:
-    """Imports what the program would; the script's code (None for a module, which runpy finds in the child)."""
-    module = _module(program)
-    if module is not None:
-        warm_up([*entries, module])  # its imports, class and function definitions, not its `__main__` block
+    """Imports what the program would; the script's code (None for modules, which runpy finds in the child)."""
+    modules = _modules(program)
+    if modules is not None:
+        warm_up([*entries, *modules])  # their imports, class and function definitions, not their `__main__` blocks
         code = None
     else:
         code = compile(Path(program).read_bytes(), program, "exec", dont_inherit=True)
@@ -517,14 +520,14 @@ def _child(request: dict, fds: list[int], code: types.CodeType | None, program: 
         os.environ.clear()
         os.environ.update(env)
         os.chdir(request["cwd"])
-        module = _module(program)
-        if module is not None:
-            if argv[:2] != ["-m", module]:
-                raise SystemExit(f"prefork: this fork server runs -m {module}, not {argv[:2]}")
-        elif not argv or os.path.realpath(argv[0]) != os.path.realpath(program):
-            raise SystemExit(f"prefork: this fork server runs {program}, not {argv[:1]}")
         _hand_out_loaded_ca_files(ca_contexts)
         try:
+            modules = _modules(program)
+            module = argv[1] if modules is not None and len(argv) > 1 and argv[0] == "-m" else None
+            if modules is not None and module not in modules:
+                raise SystemExit(f"prefork: this fork server runs -m {' or '.join(modules)}, not {argv[:2]}")
+            if modules is None and (not argv or os.path.realpath(argv[0]) != os.path.realpath(program)):
+                raise SystemExit(f"prefork: this fork server runs {program}, not {argv[:1]}")
             if module is not None:  # as `python -m`: the working directory first on the path, argv[0] the file
                 sys.argv = [module, *argv[2:]]
                 sys.path[0] = os.getcwd()

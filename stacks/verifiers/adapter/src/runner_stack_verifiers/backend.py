@@ -3,11 +3,11 @@ from a fork server that imported verifiers once, so a restart skips those import
 EnvClient, the way prime-rl's trainer drives it.
 
 Per episode the env server runs one rollout of SingleAgentEnv: the null harness's chat program (a subprocess,
-forked pre-imported by the env server's fork server) talks to verifiers' interception server, which calls the
-policy through the episode's client; the taskset's MCP tool server (one subprocess per env server, reached by
-each rollout under its own state route) runs the family's tools on the rollout's state; the task's @vf.reward
-calls the reference scorer. The tool server too is a fork, of a second fork server that imported its module:
-verifiers starts it as `sys.executable -m MODULE`, and the env server's `sys.executable` is that fork server's
+forked pre-imported by a fork server the env server starts) talks to verifiers' interception server, which calls
+the policy through the episode's client; the taskset's MCP tool server (one subprocess per env server, reached
+by each rollout under its own state route) runs the family's tools on the rollout's state; the task's @vf.reward
+calls the reference scorer. The tool server is a fork of the backend's fork server, as the env server is:
+verifiers starts it as `sys.executable -m MODULE`, and the env server's `sys.executable` is the fork server's
 launcher. A plan's native asset (a team's taskset package) gets an env server of its own, loaded by verifiers'
 `load_environment`, and its tasks' own rewards score its episodes; our taskset's server then starts only when an
 episode of our families (the retention probe) comes. The client config is per episode: its base URL names the
@@ -50,20 +50,13 @@ POLL_S = 0.2
 RECYCLE_AFTER_EPISODES = 500
 # Trace errors that mean the environment (not the policy or the episode) failed; the episode is retried.
 ENVIRONMENT_ERRORS = {"ToolsetError", "SandboxError"}
+ENV_SERVER_MODULE = "runner_stack_verifiers.envserver"
 TOOL_SERVER_MODULE = "runner_stack_verifiers.toolset"
-# Env servers are forks of one fork server that imported these (verifiers, ~3 s of a cold start) when the
-# backend started: a restart after a crash, or a recycled server, starts in ~0.1 s instead.
-ENV_SERVER_SCRIPT = """import sys
-
-from runner_stack_verifiers.envserver import main
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
-"""
+# Env servers and their tool servers are forks of one fork server that imported these (verifiers, ~3 s of a
+# cold start, each) when the backend started: a restart after a crash, or a recycled server, starts in ~0.1 s.
 ENV_SERVER_MODULES = ["verifiers.v1", "verifiers.v1.serve.pool", "verifiers.v1.serve.server",
                       "runner_stack_verifiers.taskset", *RENDERER_MODULES]
-# What a tool server imports once it runs (verifiers' `_serve`, uvicorn's loop and protocol): warmed in the tool
-# servers' fork server.
+# What a tool server imports once it runs (verifiers' `_serve`, uvicorn's loop and protocol).
 TOOL_SERVER_WARM = ["uvicorn", "uvicorn.loops.auto", "uvicorn.loops.asyncio", "uvicorn.protocols.http.auto",
                     "uvicorn.protocols.http.h11_impl", "uvicorn.protocols.websockets.auto", "uvicorn.lifespan.on",
                     "mcp.server.mcpserver", "mcp.server.transport_security", "mcp.server.streamable_http_manager",
@@ -121,8 +114,8 @@ class VerifiersBackend(RolloutBackend):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._servers: dict[str, _EnvServer] = {}
-        self._prefork: Prefork | None = None  # the env servers' fork server
-        self._tool_preforks: dict[str, Prefork] = {}  # per kind of env server: its MCP tool server's fork server
+        self._prefork: Prefork | None = None  # the env servers' and our tool servers' fork server
+        self._native_tool_prefork: Prefork | None = None  # a native taskset's tool servers' fork server
         self._lock = threading.Lock()
         self._work: Path | None = None
         self.starts = 0
@@ -136,11 +129,13 @@ class VerifiersBackend(RolloutBackend):
             if len(base) > 48 and os.access("/tmp", os.W_OK):
                 base = "/tmp"
             self._work = Path(tempfile.mkdtemp(prefix="vf-backend-", dir=base))
-            script = self._work / "envserver_main.py"
-            script.write_text(ENV_SERVER_SCRIPT)
-            self._prefork = start_prefork(self._work / "prefork", script, ENV_SERVER_MODULES, _env_server_env())
+            self._prefork = start_prefork(self._work / "prefork", [ENV_SERVER_MODULE, TOOL_SERVER_MODULE],
+                                          [*ENV_SERVER_MODULES, *TOOL_SERVER_WARM], _env_server_env())
             if self._prefork is not None:
                 wait_listening(self._prefork)  # the first env server then waits for it, not a cold start beside it
+        # This process's own import of verifiers (~3 s of CPU), while the fork server imports it: after the env
+        # server's start, it would hold up the first connection.
+        from verifiers.v1.serve.client import EnvClient  # noqa: F401
         if self.native is not None and self._native_tasks is None:
             # The client owns the taskset (as prime-rl's does): loaded here, the cause of a broken one is one line.
             self._native_tasks, self._native_tool_modules = load_native_taskset(self.native)
@@ -184,10 +179,10 @@ class VerifiersBackend(RolloutBackend):
             servers, self._servers = list(self._servers.values()), {}
         for server in servers:
             self._retire(server)
-        for prefork in [self._prefork, *self._tool_preforks.values()]:
+        for prefork in (self._prefork, self._native_tool_prefork):
             if prefork is not None:
                 stop_prefork(prefork.process)
-        self._prefork, self._tool_preforks = None, {}
+        self._prefork, self._native_tool_prefork = None, None
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             if self._thread is not None:
@@ -219,7 +214,7 @@ class VerifiersBackend(RolloutBackend):
         log_path = self.log_dir / ("verifiers-envserver.log" if kind == TASKS else "verifiers-native-envserver.log")
         log = open(log_path, "ab")
         interpreter = str(self._prefork.launcher) if self._prefork is not None else sys.executable
-        cmd = [interpreter, str(self._work / "envserver_main.py"), str(ready)]
+        cmd = [interpreter, "-m", ENV_SERVER_MODULE, str(ready)]
         if self.max_concurrent:
             cmd.append(str(self.max_concurrent))
         if kind == NATIVE:
@@ -265,16 +260,16 @@ class VerifiersBackend(RolloutBackend):
         return [TOOL_SERVER_MODULE] if kind == TASKS else self._native_tool_modules
 
     def _tool_python(self, kind: str) -> str | None:
-        """The launcher of the fork server of `kind`'s MCP tool server, started on first use: the env server's
-        `sys.executable`, as verifiers starts a tool server `sys.executable -m MODULE` (~2.5 s of imports cold, a
-        fork in ~0.1 s). None where there is not exactly one tool server module, or forks are turned off."""
-        modules = self._tool_modules(kind)
-        if kind not in self._tool_preforks and len(modules) == 1:
-            prefork = start_prefork(self._work / f"tools-{kind}", modules[0], TOOL_SERVER_WARM, _env_server_env())
-            if prefork is not None:
-                wait_listening(prefork)
-                self._tool_preforks[kind] = prefork
-        prefork = self._tool_preforks.get(kind)
+        """The launcher that forks `kind`'s MCP tool servers, for the env server's `sys.executable`: verifiers
+        starts a tool server as `sys.executable -m MODULE` (~2.5 s of imports cold, a fork in ~0.1 s). Our
+        taskset's come from the env servers' fork server; a native taskset's from one started on first use.
+        None when forks are turned off."""
+        if kind == NATIVE and self._native_tool_prefork is None and self._native_tool_modules:
+            self._native_tool_prefork = start_prefork(self._work / "native-tools", self._native_tool_modules,
+                                                      TOOL_SERVER_WARM, _env_server_env())
+            if self._native_tool_prefork is not None:
+                wait_listening(self._native_tool_prefork)
+        prefork = self._prefork if kind == TASKS else self._native_tool_prefork
         return None if prefork is None else str(prefork.launcher)
 
     async def _connect(self, address: str):
