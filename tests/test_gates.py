@@ -43,6 +43,11 @@ def test_logprob_gap_over_tolerance_fails(episodes):
     gates, a = audit(trajectories, rows)
     assert not gates["trace:logprob-agreement"].passed
     assert abs(a.max_logprob_gap - 0.01) < 1e-9
+    # The detail says where: the row, and the trained token's index among the row's trained tokens.
+    trained = [lp for lp, m in zip(old, rows[2].loss_mask, strict=True) if m]
+    index = [i for i, m in enumerate(rows[2].loss_mask) if m].index(3)
+    assert (f"the largest in training row {rows[2].row_id}, at its trained token {index} (from 0): "
+            f"trainer {trained[index]:.7g}") in gates["trace:logprob-agreement"].detail
 
 
 def test_a_logprob_that_is_not_finite_fails_agreement_and_is_left_out_of_the_mismatch_panel(episodes):

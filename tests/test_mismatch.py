@@ -79,12 +79,12 @@ def test_pairs_reduced_in_several_flushes_give_the_figures_of_one(monkeypatch):
 
     sequences = [(1 + k // 3, [-1.0 - 0.1 * k, -0.5 + 0.05 * k], [-1.0, -0.5 + 0.3 * (k % 2)]) for k in range(9)]
     whole = MismatchPanel()
-    for step, trainer, sampler in sequences:
-        whole.add(step, trainer, sampler)
+    for k, (step, trainer, sampler) in enumerate(sequences):
+        whole.add(step, trainer, sampler, f"sequence {k}")
     monkeypatch.setattr(mismatch, "FLUSH_TOKENS", 3)
     pieces = MismatchPanel()
-    for step, trainer, sampler in sequences:
-        pieces.add(step, trainer, sampler)
+    for k, (step, trainer, sampler) in enumerate(sequences):
+        pieces.add(step, trainer, sampler, f"sequence {k}")
     expected, found = whole.summary(), pieces.summary()
     assert found["per_step"].keys() == expected["per_step"].keys() == {1, 2, 3}
     for step in (1, 2, 3):
@@ -92,3 +92,16 @@ def test_pairs_reduced_in_several_flushes_give_the_figures_of_one(monkeypatch):
     assert found["overall"] == pytest.approx(expected["overall"], rel=1e-12)
     assert found["overall"]["tokens"] == 18 and found["overall"]["sequences"] == 9
     assert pieces.max_abs_diff() == pytest.approx(max(abs(t - s) for _, ts, ss in sequences for t, s in zip(ts, ss)))
+    # |d| is largest at sequence 8's first pair: -1.8 against -1.0
+    assert pieces.largest == whole.largest == mismatch.LargestGap(gap=pytest.approx(0.8), sequence="sequence 8",
+                                                                  index=0, trainer=-1.8, sampler=-1.0)
+
+
+def test_the_largest_gap_is_located_across_merged_panels_and_never_at_a_pair_that_is_not_finite():
+    first, second = MismatchPanel(), MismatchPanel()
+    first.add(1, [-1.0, -2.0], [-1.0, -2.5], "a")
+    second.add(1, [-1.0, float("-inf")], [-9.0, -1.0], "not finite")  # left out: its gap of 8 is not located
+    second.add(2, [-0.5, -0.1, -0.7], [-0.5, -0.1, -0.1], "b")
+    first.merge(second)
+    assert (first.largest.sequence, first.largest.index, first.largest.trainer) == ("b", 2, -0.7)
+    assert first.max_abs_diff() == math.inf  # the sequence that is not finite still fails agreement

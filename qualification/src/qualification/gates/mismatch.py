@@ -19,6 +19,7 @@ from array import array
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from itertools import compress
 
 from runner_contracts import GateResult
 
@@ -85,10 +86,22 @@ class _Figures:
         }
 
 
-def _nothing_waiting() -> tuple[array, array, bytearray, bytearray]:
-    """(steps, lengths, trainer logprobs, sampler logprobs) of the sequences waiting to be reduced; the
+def _nothing_waiting() -> tuple[array, array, bytearray, bytearray, list[str | None]]:
+    """(steps, lengths, trainer logprobs, sampler logprobs, labels) of the sequences waiting to be reduced; the
     logprobs as packed doubles (struct.pack converts a list 2-3x faster than array.extend)."""
-    return array("q"), array("q"), bytearray(), bytearray()
+    return array("q"), array("q"), bytearray(), bytearray(), []
+
+
+@dataclass(frozen=True)
+class LargestGap:
+    """Where max |log p_train - log p_sample| is: the sequence's label, the pair's index in it (from 0), both
+    logprobs."""
+
+    gap: float
+    sequence: str | None
+    index: int
+    trainer: float
+    sampler: float
 
 
 @dataclass
@@ -99,28 +112,32 @@ class MismatchPanel:
     steps: dict[int, _Figures] = field(default_factory=lambda: defaultdict(_Figures))
     overall: _Figures = field(default_factory=_Figures)
     not_finite: int = 0  # sequences left out: a logprob on either side was not finite
+    largest: LargestGap | None = None  # where the largest finite |d| is
 
     def __post_init__(self) -> None:
         self._waiting = _nothing_waiting()
 
-    def add(self, step: int, trainer: Sequence[float], sampler: Sequence[float]) -> None:
+    def add(self, step: int, trainer: Sequence[float], sampler: Sequence[float], label: str | None = None) -> None:
         """One sequence's pairs, as lists of floats."""
         if len(trainer) != len(sampler):
             raise ValueError(f"{len(trainer)} trainer logprobs but {len(sampler)} sampler logprobs")
-        self.add_packed(step, struct.pack(f"{len(trainer)}d", *trainer), struct.pack(f"{len(sampler)}d", *sampler))
+        self.add_packed(step, struct.pack(f"{len(trainer)}d", *trainer), struct.pack(f"{len(sampler)}d", *sampler),
+                        label)
 
-    def add_packed(self, step: int, trainer: bytes, sampler: bytes) -> None:
-        """One sequence's pairs, as packed doubles of the same length. A sequence with a value that is not
-        finite is left out of the figures and counted (`not_finite`); max_abs_diff() is then infinite."""
+    def add_packed(self, step: int, trainer: bytes, sampler: bytes, label: str | None = None) -> None:
+        """One sequence's pairs, as packed doubles of the same length; `label` names the sequence in `largest`.
+        A sequence with a value that is not finite is left out of the figures and counted (`not_finite`);
+        max_abs_diff() is then infinite."""
         if len(trainer) != len(sampler):
             raise ValueError(f"{len(trainer) // DOUBLE} trainer logprobs but {len(sampler) // DOUBLE} sampler logprobs")
         if not trainer:
             return
-        steps, lengths, trainers, samplers = self._waiting
+        steps, lengths, trainers, samplers, labels = self._waiting
         steps.append(step)
         lengths.append(len(trainer) // DOUBLE)
         trainers += trainer
         samplers += sampler
+        labels.append(label)
         if len(trainers) >= FLUSH_TOKENS * DOUBLE:
             self._reduce()
 
@@ -129,18 +146,22 @@ class MismatchPanel:
             return
         import numpy as np
 
-        steps, tokens, trainer, sampler = self._waiting
+        steps, tokens, trainer, sampler, labels = self._waiting
         self._waiting = _nothing_waiting()
         steps, tokens = np.frombuffer(steps, dtype=np.int64), np.frombuffer(tokens, dtype=np.int64)
+        trainer, sampler = np.frombuffer(trainer, dtype=np.float64), np.frombuffer(sampler, dtype=np.float64)
         with np.errstate(all="ignore"):  # a sequence that is not finite is left out below, its figures unread
-            d = np.frombuffer(trainer, dtype=np.float64) - np.frombuffer(sampler, dtype=np.float64)
+            d = trainer - sampler
             finite = np.isfinite(d)
             if not finite.all():
                 finite = np.logical_and.reduceat(finite, np.cumsum(tokens) - tokens)
                 self.not_finite += int(finite.size - np.count_nonzero(finite))
-                d, steps, tokens = d[np.repeat(finite, tokens)], steps[finite], tokens[finite]
+                pairs = np.repeat(finite, tokens)
+                d, trainer, sampler, steps, tokens = d[pairs], trainer[pairs], sampler[pairs], steps[finite], tokens[finite]
+                labels = list(compress(labels, finite.tolist()))
                 if not steps.size:
                     return
+            self._note_largest(d, trainer, sampler, tokens, labels)
             if steps[0] == steps[-1] and (steps == steps[0]).all():  # the usual flush: its masks would cost ~20%
                 by_step = [(int(steps[0]), d, tokens)]
             else:
@@ -151,12 +172,26 @@ class MismatchPanel:
                 self.steps[step].merge(figures)
                 self.overall.merge(figures)
 
+    def _note_largest(self, d, trainer, sampler, tokens, labels: list[str | None]) -> None:
+        import numpy as np
+
+        at = int(np.abs(d).argmax())
+        if self.largest is not None and abs(float(d[at])) <= self.largest.gap:
+            return
+        ends = np.cumsum(tokens)
+        sequence = int(np.searchsorted(ends, at, side="right"))
+        self.largest = LargestGap(gap=abs(float(d[at])), sequence=labels[sequence],
+                                  index=at - int(ends[sequence] - tokens[sequence]), trainer=float(trainer[at]),
+                                  sampler=float(sampler[at]))
+
     def merge(self, other: MismatchPanel) -> None:
         """Adds the pairs another panel holds (an audit done in parts), reduced first on both sides."""
         self._reduce()
         other._reduce()
         self.overall.merge(other.overall)
         self.not_finite += other.not_finite
+        if other.largest is not None and (self.largest is None or other.largest.gap > self.largest.gap):
+            self.largest = other.largest
         for step, figures in other.steps.items():
             self.steps[step].merge(figures)
 

@@ -550,7 +550,8 @@ class TraceAudit:
             recomputed = (_policy_values(row.old_logprobs, provenance) if mask_is_provenance  # one per trained token
                           else compress(row.old_logprobs, row.loss_mask))
             if trained_count == sampled_count:  # the panel keeps max |trainer - sampler|: the gap, read in gates()
-                self.mismatch.add_packed(row.step, struct.pack(f"{trained_count}d", *recomputed), sampled_logprobs)
+                self.mismatch.add_packed(row.step, struct.pack(f"{trained_count}d", *recomputed), sampled_logprobs,
+                                         row.row_id)
             else:
                 gaps = (abs(a - b) if math.isfinite(a) and math.isfinite(b) else math.inf
                         for a, b in zip(recomputed, array("d", sampled_logprobs), strict=False))
@@ -596,9 +597,18 @@ class TraceAudit:
                          detail_ok=f"{self.trained} episodes in {self.rows} rows"),
             GateResult(name="trace:logprob-agreement", passed=gap_ok, measured=self.max_logprob_gap,
                        threshold=self.tolerance,
-                       detail=f"max |trainer - sampling| logprob over {self.counts['logprob_pairs']} tokens"),
+                       detail=f"max |trainer - sampling| logprob over {self.counts['logprob_pairs']} tokens"
+                              + ("" if gap_ok else self._largest_gap())),
             self.mismatch.gate(),
         ]
+
+    def _largest_gap(self) -> str:
+        """Where the largest gap is, when the mismatch panel holds it (a row whose counts differ does not go there)."""
+        largest = self.mismatch.largest
+        if largest is None or largest.gap != self.max_logprob_gap:
+            return ""
+        return (f"; the largest in training row {largest.sequence}, at its trained token {largest.index} (from 0): "
+                f"trainer {largest.trainer:.7g}, sampling {largest.sampler:.7g}")
 
     def reward_per_step(self) -> dict[int, float]:
         return {step: total / count for step, (total, count) in sorted(self.step_rewards.items())}
