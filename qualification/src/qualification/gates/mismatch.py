@@ -157,7 +157,8 @@ class MismatchPanel:
                 finite = np.logical_and.reduceat(finite, np.cumsum(tokens) - tokens)
                 self.not_finite += int(finite.size - np.count_nonzero(finite))
                 pairs = np.repeat(finite, tokens)
-                d, trainer, sampler, steps, tokens = d[pairs], trainer[pairs], sampler[pairs], steps[finite], tokens[finite]
+                d, trainer, sampler = d[pairs], trainer[pairs], sampler[pairs]
+                steps, tokens = steps[finite], tokens[finite]
                 labels = list(compress(labels, finite.tolist()))
                 if not steps.size:
                     return
