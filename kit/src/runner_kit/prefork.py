@@ -105,8 +105,7 @@ def write_launcher(directory: Path, socket_path: str, program: str, python: str 
     """`<directory>/bin/python`: the runtime derives VIRTUAL_ENV and PATH from the interpreter's location."""
     launcher = directory / "bin" / "python"
     launcher.parent.mkdir(parents=True, exist_ok=True)
-    launcher.write_text(LAUNCHER.format(python=python, socket=socket_path, program=program,
-                                             modules=_modules(program)))
+    launcher.write_text(LAUNCHER.format(python=python, socket=socket_path, program=program, modules=_modules(program)))
     launcher.chmod(0o755)
     return launcher
 
@@ -133,8 +132,10 @@ def start_prefork(directory: Path, program: Path | str | list[str], warm: list[s
         return None
     directory.mkdir(parents=True, exist_ok=True)
     name = f"runner-prefork-{os.getpid()}-{secrets.token_hex(8)}"
-    argument = str(program) if isinstance(program, Path) else "-m" + (program if isinstance(program, str)
-                                                                      else ",".join(program))
+    if isinstance(program, Path):
+        argument = str(program)
+    else:
+        argument = "-m" + ",".join([program] if isinstance(program, str) else program)
     launcher = write_launcher(directory, "\0" + name, argument)
     process = spawn([sys.executable, "-m", FORK_SERVER_MODULE, name, str(directory), argument, *warm],
                     stdin=subprocess.DEVNULL, env=env)
