@@ -247,7 +247,8 @@ class VerifiersBackend(RolloutBackend):
         tree = [(pid, start, _cmdline(pid)) for pid, start in _tree(int(server_pid))]
         helpers = [(pid, start) for pid, start, _ in tree[:1]]  # the env server (a fork: its fork server's cmdline)
         # A forked tool server is the fork server's child: its launcher, which lives as long, stands for it.
-        for module in [*self._tool_modules(kind), FORK_SERVER_MODULE]:
+        tool_modules = [TOOL_SERVER_MODULE] if kind == TASKS else self._native_tool_modules
+        for module in [*tool_modules, FORK_SERVER_MODULE]:
             found = [(pid, start) for pid, start, cmd in tree[1:] if f"-m {module} " in f"{cmd} "]
             if not found and module != FORK_SERVER_MODULE:
                 _kill_tree(int(server_pid))
@@ -255,9 +256,6 @@ class VerifiersBackend(RolloutBackend):
                 raise RuntimeError(f"verifiers env server started no tool server {module}; see {log_path}")
             helpers += found[:1]
         return _EnvServer(process=process, address=address, client=client, helpers=helpers)
-
-    def _tool_modules(self, kind: str) -> list[str]:
-        return [TOOL_SERVER_MODULE] if kind == TASKS else self._native_tool_modules
 
     def _tool_python(self, kind: str) -> str | None:
         """The launcher that forks `kind`'s MCP tool servers, for the env server's `sys.executable`: verifiers
