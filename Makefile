@@ -10,7 +10,7 @@ STAMP   = $(VENV)/.installed
 TEST_STAMP = $(VENV)/.installed-test
 BENCH_STAMP = $(VENV)/.installed-bench
 
-.PHONY: demo test test-fast test-engines test-families test-harnesses test-domains bench schema lint clean python-deps system-deps
+.PHONY: demo test test-fast test-engines test-families test-harnesses test-domains bench schema clean python-deps system-deps
 
 # Host environment: the runner CLI, contracts, tasks/gates (no torch, no upstream stacks); the suite adds
 # its test tools.

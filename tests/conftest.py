@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from runner_contracts import Segment, TrainingRow, Trajectory
+from runner_contracts.processes import command_line, ended
 
 
 def make_episode(step: int = 1, group: int = 0, sample: int = 0, *, stage: str = "rollout",
@@ -234,28 +235,16 @@ def leftover_processes(run_dir: Path) -> list[str]:
     root = str(Path(run_dir).resolve())
     found = []
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid() or ended(int(proc.name)):
             continue
         try:
-            if (proc / "stat").read_text().rsplit(")", 1)[-1].split()[0] in ("Z", "X"):
-                continue
             cwd = os.readlink(proc / "cwd").removesuffix(" (deleted)")
             environ = (proc / "environ").read_bytes().decode(errors="replace")
-            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             continue
         if cwd == root or cwd.startswith(root + os.sep) or root in environ:
-            found.append(f"{proc.name}: {command}")
+            found.append(f"{proc.name}: {command_line(int(proc.name))}")
     return found
-
-
-def gone(pid: int) -> bool:
-    """The process has ended (a zombie waiting for init to reap it has ended too)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")
 
 
 def wait_until(predicate, what: str, timeout_s: float = 600, poll_s: float = 0.1) -> None:

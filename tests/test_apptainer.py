@@ -130,20 +130,15 @@ def test_a_killed_job_takes_its_sif_mount_with_it(sif_env, tmp_path):
     """Killing a job (its timeout, a kill condition, a service's stop) ends everything it started, Apptainer's
     squashfuse_ll included: Apptainer runs it in a session of its own, holding the container's SIF mount, so a
     kill of the job's process group alone left it running, orphaned, after the job."""
-    from conftest import gone
+    from runner_contracts.processes import ended
 
     from runner._engines.jobs import run_process
-    from runner_contracts.processes import descendants
+    from runner_contracts.processes import command_line, descendants
 
     mounts: list[int] = []
 
-    def command(pid: int) -> bytes:
-        with contextlib.suppress(OSError):  # it ended between the listing and the read
-            return Path(f"/proc/{pid}/cmdline").read_bytes()
-        return b""
-
     def mounted() -> bool:  # the kill condition: the container's SIF is mounted
-        mounts.extend(pid for pid in descendants(os.getpid()) if command(pid).startswith(b"/usr/bin/squashfuse_ll"))
+        mounts.extend(pid for pid in descendants(os.getpid()) if command_line(pid).startswith("/usr/bin/squashfuse_ll"))
         return bool(mounts)
 
     sif = Path(sif_env["RUNNER_SIF_DIR"]) / "openenv.sif"
@@ -152,7 +147,7 @@ def test_a_killed_job_takes_its_sif_mount_with_it(sif_env, tmp_path):
     assert outcome.killed and not outcome.timed_out, outcome
     assert mounts, "no squashfuse_ll ran below the job"
     time.sleep(0.5)
-    assert [pid for pid in mounts if not gone(pid)] == []
+    assert [pid for pid in mounts if not ended(pid)] == []
 
 
 def test_a_sif_is_checked_by_its_labels_before_any_job(apptainer, tmp_path, monkeypatch):

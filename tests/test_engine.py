@@ -19,8 +19,9 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import gone, self_signed_certificate, stand_in_checkpoint, wait_until
+from conftest import self_signed_certificate, stand_in_checkpoint, wait_until
 from runner_contracts import StageRequest, StageResult, read_record
+from runner_contracts.processes import ended
 from test_contracts import PLAN
 
 from runner._engines.local import ENV_MARKER, LocalEngine
@@ -229,7 +230,7 @@ def test_timeout_kills_the_process_group(stack, engine, tmp_path):
     out = tmp_path / "sleep"
     outcome = engine.run(env, request("sleep", out), timeout_s=3)
     assert outcome.timed_out and not outcome.ok
-    assert gone(int((out / "child.pid").read_text()))
+    assert ended(int((out / "child.pid").read_text()))
 
 
 def test_probe_gate_names_the_drifted_package(stack, engine, tmp_path):
@@ -278,7 +279,7 @@ def test_adapter_dies_with_the_runner(stack, engine, tmp_path):
     child = int(pid_file.read_text())
     host.kill()
     host.wait()
-    wait_until(lambda: gone(child), "the adapter to end with the runner", 10)
+    wait_until(lambda: ended(child), "the adapter to end with the runner", 10)
 
 
 def _prepare_in_a_process(stack, cache: Path, **popen):

@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CALC_PLAN, gone, leftover_processes, wait_until
+from conftest import CALC_PLAN, leftover_processes, wait_until
+from runner_contracts.processes import ended
 
 pytestmark = pytest.mark.slow
 RUNNER = str(Path(sys.executable).parent / "runner")
@@ -32,7 +33,7 @@ def test_a_killed_comparison_leaves_nothing_running_and_resumes(tmp_path):
         os.kill(host.pid, signal.SIGKILL)
         host.wait()
         # A process on its way out can no longer be read (so it is no leftover) before its state says so.
-        wait_until(lambda: not leftover_processes(run_dir) and all(gone(int(line.split(":")[0])) for line in started),
+        wait_until(lambda: not leftover_processes(run_dir) and all(ended(int(line.split(":")[0])) for line in started),
                    f"the killed host's jobs to end: {started}", 30)
     finally:
         if host.poll() is None:

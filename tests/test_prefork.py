@@ -14,7 +14,8 @@ import threading
 import time
 
 import pytest
-from conftest import gone, wait_until
+from conftest import wait_until
+from runner_contracts.processes import ended
 from runner_kit.prefork import ForkedProgram, Prefork, start_prefork
 
 PROGRAM = textwrap.dedent("""
@@ -124,11 +125,11 @@ def test_a_forked_program_outlives_a_timeout_loses_no_output_and_dies_when_kille
     with pytest.raises(subprocess.TimeoutExpired):
         program.communicate(f"sleep {pid_file}", timeout=1)
     pid = int(pid_file.read_text())
-    assert program.poll() is None and not gone(pid)
+    assert program.poll() is None and not ended(pid)
     threading.Thread(target=program.kill).start()
     out, _ = program.communicate(timeout=30)
     assert out == "asleep\n" and program.returncode == -signal.SIGKILL
-    wait_until(lambda: gone(pid), "the fork server to kill the program", 10)
+    wait_until(lambda: ended(pid), "the fork server to kill the program", 10)
 
 
 def test_modules_run_as_python_m_would_run_them_and_any_other_command_line_on_the_real_interpreter(tmp_path):

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CALC_PLAN, gone, leftover_processes, wait_until
+from conftest import CALC_PLAN, leftover_processes, wait_until
 from runner_contracts import StageRequest, write_record
-from runner_contracts.processes import JOB_TOKEN_VAR, descendants, end_job, end_processes, kill_trees
+from runner_contracts.processes import (JOB_TOKEN_VAR, command_line, descendants, end_job, end_processes, ended,
+                                        kill_identified, kill_trees, same_process, tree)
 
 from runner.api import load_plan, run_process, scrubbed_env, start_process_service
 
@@ -106,7 +107,7 @@ def test_a_job_ends_everything_it_started(adapter, options):
     cmd, out_dir, env = adapter("service", **options)
     outcome = run_process(cmd, out_dir, env, timeout_s=60)
     assert outcome.exit_code == (1 if options else 0), outcome.stderr.read_text()
-    assert gone(orphan_of(out_dir))
+    assert ended(orphan_of(out_dir))
     assert leftover_processes(adapter.run_dir) == []
 
 
@@ -137,16 +138,16 @@ def test_a_timed_out_job_is_ended_with_what_it_started(adapter):
     cmd, out_dir, env = adapter("train", hang=True)
     outcome = run_process(cmd, out_dir, env, timeout_s=3)
     assert outcome.timed_out
-    assert gone(orphan_of(out_dir)) and leftover_processes(adapter.run_dir) == []
+    assert ended(orphan_of(out_dir)) and leftover_processes(adapter.run_dir) == []
 
 
 def test_a_stopped_service_ends_what_it_started(adapter):
     cmd, out_dir, env = adapter("serve")
     service = start_process_service(cmd, out_dir, env, what="leaky service", ready_timeout_s=30)
     orphan = orphan_of(out_dir)
-    assert not gone(orphan)
+    assert not ended(orphan)
     service.stop()
-    assert gone(orphan) and leftover_processes(adapter.run_dir) == []
+    assert ended(orphan) and leftover_processes(adapter.run_dir) == []
 
 
 HOST = '''
@@ -167,7 +168,7 @@ def test_a_sigkilled_host_leaves_nothing_behind(adapter):
     orphan = orphan_of(out_dir)
     host.send_signal(signal.SIGKILL)
     host.wait()
-    wait_until(lambda: gone(orphan) and not leftover_processes(adapter.run_dir), "the job to end", 30)
+    wait_until(lambda: ended(orphan) and not leftover_processes(adapter.run_dir), "the job to end", 30)
 
 
 def test_end_processes_ends_a_tree_that_ignores_sigterm(tmp_path):
@@ -177,9 +178,30 @@ def test_end_processes_ends_a_tree_that_ignores_sigterm(tmp_path):
     wait_until(lambda: len(descendants(parent.pid)) == 1, "the grandchild to start", 30)
     tree = [parent.pid, *descendants(parent.pid)]
     started = time.monotonic()
-    assert end_processes(lambda: [pid for pid in tree if not gone(pid)], grace_s=0.5) == 2
+    assert end_processes(lambda: [pid for pid in tree if not ended(pid)], grace_s=0.5) == 2
     parent.wait()
-    assert all(gone(pid) for pid in tree) and time.monotonic() - started < 30
+    assert all(ended(pid) for pid in tree) and time.monotonic() - started < 30
+
+
+def test_a_tree_names_each_process_by_pid_and_start_time_and_kills_only_those_still_alive():
+    """kill_identified ends the (pid, start time) it was given and leaves alone a pid whose start time differs,
+    as a pid reused by a later process would."""
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); " \
+             "time.sleep(600)"
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        wait_until(lambda: len(tree(parent.pid)) == 2, "the child to start", 30)
+        (top, top_start), (child, child_start) = tree(parent.pid)
+        assert top == parent.pid and command_line(child).endswith("import time; time.sleep(600)")
+        assert same_process(child, child_start) and not same_process(child, str(int(child_start) + 1))
+        kill_identified([(top, str(int(top_start) + 1)), (child, child_start)])
+        wait_until(lambda: ended(child), "the child to end", 30)
+        assert parent.poll() is None and same_process(top, top_start), "a process of another start time was killed"
+        assert not same_process(child, child_start) and command_line(child) == ""
+    finally:
+        parent.kill()
+        parent.wait()
+    assert tree(parent.pid) == []
 
 
 def test_a_stop_signal_survives_a_burst_of_sigterms():
@@ -212,9 +234,9 @@ def test_killing_returns_only_once_the_processes_have_ended():
     (end_job once returned while a SIGKILLed process was still freeing its memory)."""
     killed = _holding_memory("kill-trees")
     kill_trees([killed.pid])
-    assert gone(killed.pid), "kill_trees returned before the process had ended"
+    assert ended(killed.pid), "kill_trees returned before the process had ended"
     killed.wait()
-    ended = _holding_memory("end-job")
+    left = _holding_memory("end-job")
     assert end_job("end-job", grace_s=5) == 1
-    assert gone(ended.pid), "end_job returned before the process had ended"
-    ended.wait()
+    assert ended(left.pid), "end_job returned before the process had ended"
+    left.wait()

@@ -42,6 +42,7 @@ def test_environment_has_nemo_gym_and_no_other_stack(env):
 
 DRIVER = r"""
 import json, os, sys
+from runner_kit.processes import command_line
 from runner_kit.rollout import PolicyEndpoint
 from runner_contracts import EpisodeSpec, SamplingSpec
 import msgspec
@@ -57,9 +58,6 @@ fork_server = backend._prefork.process.pid
 def children(pid):
     with open(f"/proc/{pid}/task/{pid}/children") as handle:
         return [int(child) for child in handle.read().split()]
-def cmdline(pid):
-    with open(f"/proc/{pid}/cmdline", "rb") as handle:
-        return handle.read().decode()
 try:
     policy = PolicyEndpoint(base_url=args["base_url"], model="scripted-policy",
                             sampling=msgspec.convert(args["sampling"], SamplingSpec))
@@ -72,7 +70,7 @@ try:
     launchers = [s.process.pid for s in backend._servers.values() if s.kind != "resources"]
     resources = [s.process.pid for s in backend._servers.values() if s.kind == "resources"]
     forks = children(fork_server)
-    same_program = [cmdline(pid) == cmdline(fork_server) for pid in forks]
+    same_program = [command_line(pid) == command_line(fork_server) for pid in forks]
 finally:
     backend.stop()
 def exists(pid):  # a zombie waiting for init to reap it is gone

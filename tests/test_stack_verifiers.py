@@ -342,10 +342,11 @@ import json, os, signal, sys, time
 import msgspec
 from runner_contracts import EpisodeSpec, RolloutRequest, SamplingSpec
 from runner_kit.rollout import BatchRunner
-from runner_stack_verifiers.backend import FORK_SERVER_MODULE, VerifiersBackend, _cmdline, _processes, _tree
+from runner_kit.processes import command_line, process_table, tree
+from runner_stack_verifiers.backend import FORK_SERVER_MODULE, VerifiersBackend
 
 def tool_servers():  # forks of the backend's fork server, as the env server is, but not the env server
-    return [pid for pid, (parent, _) in _processes().items()
+    return [pid for pid, (parent, _) in process_table().items()
             if parent == backend._prefork.process.pid and pid != backend.environment_pids()[0]]
 
 args = json.loads(sys.stdin.read())
@@ -358,7 +359,7 @@ try:
         if step == 1:
             killed = tool_servers()
         elif step == 2:  # [1:]: the env server is a fork of the backend's fork server, and has its cmdline
-            killed = [pid for pid, _ in _tree(backend.environment_pids()[0])[1:] if FORK_SERVER_MODULE in _cmdline(pid)]
+            killed = [pid for pid, _ in tree(backend.environment_pids()[0])[1:] if FORK_SERVER_MODULE in command_line(pid)]
         if killed:
             os.kill(killed[0], signal.SIGKILL)
         request = RolloutRequest(episodes=[msgspec.convert(e, EpisodeSpec) for e in batch],

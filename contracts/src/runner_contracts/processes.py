@@ -70,9 +70,10 @@ class StopSignal:
         return os.read(self._read, 1)[0]
 
 
-def parent_pids() -> dict[int, int]:
-    """pid -> parent pid of every process visible in /proc (empty where there is no /proc)."""
-    parents: dict[int, int] = {}
+def process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process visible in /proc (empty where there is no /proc). The
+    start time (clock ticks after boot) tells a process from a later one given the same pid."""
+    table: dict[int, tuple[int, str]] = {}
     with contextlib.suppress(OSError):
         for entry in os.scandir(PROC):
             if not entry.name.isdigit():
@@ -83,15 +84,14 @@ def parent_pids() -> dict[int, int]:
                 continue
             # pid (comm) state ppid ...; comm may hold spaces and parentheses
             fields = stat.rsplit(")", 1)[-1].split()
-            if len(fields) > 1:
-                parents[int(entry.name)] = int(fields[1])
-    return parents
+            if len(fields) > 19:
+                table[int(entry.name)] = (int(fields[1]), fields[19])
+    return table
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid`, parents before children."""
+def _below(pid: int, table: dict[int, tuple[int, str]]) -> list[int]:
     children: dict[int, list[int]] = {}
-    for child, parent in parent_pids().items():
+    for child, (parent, _) in table.items():
         children.setdefault(parent, []).append(child)
     found, queue = [], list(children.get(pid, []))
     while queue:
@@ -99,6 +99,42 @@ def descendants(pid: int) -> list[int]:
         found.append(current)
         queue.extend(children.get(current, []))
     return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid`, parents before children."""
+    return _below(pid, process_table())
+
+
+def tree(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of `pid` and every process below it, parents before children; empty when `pid` is
+    gone. What `kill_identified` takes."""
+    table = process_table()
+    if pid not in table:
+        return []
+    return [(member, table[member][1]) for member in (pid, *_below(pid, table))]
+
+
+def same_process(pid: int, start: str) -> bool:
+    """Whether `pid` is still the process that started at `start`, and not a zombie."""
+    try:
+        fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return False
+    return len(fields) > 19 and fields[19] == start and fields[0] not in ("Z", "X")
+
+
+def kill_identified(processes: Iterable[tuple[int, str]]) -> None:
+    """SIGKILLs each (pid, start time) that is still that process: a pid reused since is left alone."""
+    _signal_all([pid for pid, start in processes if same_process(pid, start)], signal.SIGKILL)
+
+
+def command_line(pid: int) -> str:
+    """A process's argv joined by spaces ('' once it is gone)."""
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def innermost_pid(pid: int) -> int:
@@ -114,10 +150,10 @@ def innermost_pid(pid: int) -> int:
 def kill_trees(pids: Iterable[int]) -> list[int]:
     """SIGKILLs each pid and every process below it and waits (bounded) until they have ended; returns the
     pids that were alive."""
-    alive = [pid for pid in pids if not _is_zombie(pid)]
-    tree = [member for pid in alive for member in (pid, *descendants(pid))]
-    _signal_all(tree, signal.SIGKILL)
-    _await_ended(tree)
+    alive = [pid for pid in pids if not ended(pid)]
+    members = [member for pid in alive for member in (pid, *descendants(pid))]
+    _signal_all(members, signal.SIGKILL)
+    _await_ended(members)
     return alive
 
 
@@ -134,7 +170,8 @@ def carrying(token: str) -> list[int]:
     return found
 
 
-def _is_zombie(pid: int) -> bool:
+def ended(pid: int) -> bool:
+    """The process is gone, or a zombie (it has exited; only its exit status waits to be collected)."""
     try:
         return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
     except OSError:
@@ -148,7 +185,7 @@ def _await_ended(pids: Iterable[int], timeout_s: float = 2.0) -> None:
     pending = set(pids)
     deadline = time.monotonic() + timeout_s
     while pending and time.monotonic() < deadline:
-        pending = {pid for pid in pending if not _is_zombie(pid)}
+        pending = {pid for pid in pending if not ended(pid)}
         if pending:
             time.sleep(0.01)
 
@@ -170,22 +207,22 @@ def end_processes(find, *, grace_s: float = 2.0, reap: bool = False) -> int:
     """SIGTERM what `find()` returns, SIGKILL what is left after `grace_s`, until nothing is found and every
     process signalled has ended. Returns how many processes were signalled. `reap`: collect exited
     children, for a subreaper (elsewhere it would take a Popen's exit status from under it)."""
-    pids = [pid for pid in find() if not _is_zombie(pid)]
-    ended = set(pids)
+    pids = [pid for pid in find() if not ended(pid)]
+    signalled = set(pids)
     _signal_all(pids, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while pids:
         if reap:
             _reap_orphans()
-        pids = [pid for pid in find() if not _is_zombie(pid)]
-        ended.update(pids)
+        pids = [pid for pid in find() if not ended(pid)]
+        signalled.update(pids)
         if time.monotonic() > deadline:
             _signal_all(pids, signal.SIGKILL)
         time.sleep(0.05)
-    _await_ended(ended)
+    _await_ended(signalled)
     if reap:
         _reap_orphans()
-    return len(ended)
+    return len(signalled)
 
 
 def end_job(token: str, *, grace_s: float = 2.0) -> int:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import os
 import queue
-import signal
 import socket
 import subprocess
 import threading
@@ -20,12 +19,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from runner_contracts.processes import descendants, die_with_parent, kill_trees
+from runner_contracts.processes import (command_line, descendants, die_with_parent, kill_identified, kill_trees,
+                                        process_table, same_process, tree)
 
 HOST = "127.0.0.1"
 
-__all__ = ["HOST", "ServerProcess", "SocketServer", "bind_loopback", "descendants", "die_with_parent", "free_port",
-           "freeze_heap", "kill_trees", "spawn", "wait_until"]
+__all__ = ["HOST", "ServerProcess", "SocketServer", "bind_loopback", "command_line", "descendants", "die_with_parent",
+           "free_port", "freeze_heap", "kill_identified", "kill_trees", "process_table", "same_process", "spawn",
+           "tree", "wait_until"]
 
 
 def bind_loopback(port: int = 0, backlog: int = 256) -> socket.socket:

@@ -38,6 +38,7 @@ from qualification.tasks.native import row_id
 from runner_contracts import EpisodeResult, EpisodeSpec, ErrorInfo, NativeAsset, ToolCallRecord
 from runner_kit.native import import_asset_module
 from runner_kit.prefork import FORK_SERVER_MODULE, Prefork, start_prefork, stop_prefork, wait_listening
+from runner_kit.processes import command_line, kill_identified, same_process, tree
 from runner_kit.rollout import EnvironmentDown, PolicyEndpoint, RolloutBackend
 
 from .envserver import RENDERER_MODULES, TOOL_PYTHON_VARIABLE
@@ -87,7 +88,7 @@ class _EnvServer:
         """The env server runs, and so do its tool server and fork server."""
         if self.process.poll() is not None:
             return False
-        return all(_same_process(pid, start) for pid, start in self.helpers)
+        return all(same_process(pid, start) for pid, start in self.helpers)
 
 
 class VerifiersBackend(RolloutBackend):
@@ -194,7 +195,7 @@ class VerifiersBackend(RolloutBackend):
             self._work = None
 
     def _retire(self, server: _EnvServer) -> None:
-        tree = _tree(server.pid)  # before it exits: the rollout processes it started
+        processes = tree(server.pid)  # before it exits: the rollout processes it started
         if server.alive():
             with contextlib.suppress(ProcessLookupError):  # it may have died since
                 os.kill(server.pid, signal.SIGTERM)  # verifiers turns SIGTERM into a clean serving() teardown
@@ -202,7 +203,7 @@ class VerifiersBackend(RolloutBackend):
                 server.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 pass
-        _kill(tree)  # whatever outlived the teardown (identities checked, so a reused pid is left alone)
+        kill_identified(processes)  # whatever outlived the teardown (identities checked, so a reused pid is left alone)
         server.process.kill()  # the launcher, should it outlive the env server
         server.process.wait()
         self._close_client(server)
@@ -244,12 +245,12 @@ class VerifiersBackend(RolloutBackend):
         address, server_pid = ready.read_text().split()  # the env server's own pid: a fork's is not process.pid
         client = self._call(self._connect(address), timeout=60)
         # The env serves only once its tool server answered (the fork server starts before), so both run now.
-        tree = [(pid, start, _cmdline(pid)) for pid, start in _tree(int(server_pid))]
-        helpers = [(pid, start) for pid, start, _ in tree[:1]]  # the env server (a fork: its fork server's cmdline)
+        processes = [(pid, start, command_line(pid)) for pid, start in tree(int(server_pid))]
+        helpers = [(pid, start) for pid, start, _ in processes[:1]]  # the env server (a fork: its fork server's cmdline)
         # A forked tool server is the fork server's child: its launcher, which lives as long, stands for it.
         tool_modules = [TOOL_SERVER_MODULE] if kind == TASKS else self._native_tool_modules
         for module in [*tool_modules, FORK_SERVER_MODULE]:
-            found = [(pid, start) for pid, start, cmd in tree[1:] if f"-m {module} " in f"{cmd} "]
+            found = [(pid, start) for pid, start, cmd in processes[1:] if f"-m {module} " in f"{cmd} "]
             if not found and module != FORK_SERVER_MODULE:
                 _kill_tree(int(server_pid))
                 process.kill()
@@ -500,62 +501,6 @@ def _env_server_env() -> dict[str, str]:
             "PYTHONUNBUFFERED": "1"}
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def _same_process(pid: int, start: str) -> bool:
-    """Whether `pid` is still the process that started at `start` (and not a zombie)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return False
-    return fields[19] == start and fields[0] not in ("Z", "X")
-
-
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, start time) of every process we can see."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            table[int(entry)] = (int(fields[1]), fields[19])
-    return table
-
-
-def _tree(pid: int) -> list[tuple[int, str]]:
-    """(pid, start time) of `pid` and all its descendants; the start time pins the identity against pid reuse."""
-    table = _processes()
-    if pid not in table:
-        return []
-    children: dict[int, list[int]] = {}
-    for child, (parent, _) in table.items():
-        children.setdefault(parent, []).append(child)
-    found, queue = [(pid, table[pid][1])], [pid]
-    while queue:
-        for child in children.get(queue.pop(), []):
-            found.append((child, table[child][1]))
-            queue.append(child)
-    return found
-
-
-def _kill(processes: list[tuple[int, str]]) -> None:
-    """SIGKILL each (pid, start time) still alive as that same process."""
-    for pid, start in processes:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19] != start:
-                continue
-            os.kill(pid, signal.SIGKILL)
-        except (OSError, IndexError):
-            continue
-
-
 def _kill_tree(pid: int) -> None:
     """SIGKILL `pid` and its descendants (collected first: killed children are re-parented)."""
-    _kill(_tree(pid))
+    kill_identified(tree(pid))
