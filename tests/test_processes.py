@@ -186,8 +186,8 @@ def test_end_processes_ends_a_tree_that_ignores_sigterm(tmp_path):
 def test_a_tree_names_each_process_by_pid_and_start_time_and_kills_only_those_still_alive():
     """kill_identified ends the (pid, start time) it was given and leaves alone a pid whose start time differs,
     as a pid reused by a later process would."""
-    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); " \
-             "time.sleep(600)"
+    script = ("import subprocess, sys, time; "
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)")
     parent = subprocess.Popen([sys.executable, "-c", script])
     try:
         wait_until(lambda: len(tree(parent.pid)) == 2, "the child to start", 30)

@@ -359,7 +359,8 @@ try:
         if step == 1:
             killed = tool_servers()
         elif step == 2:  # [1:]: the env server is a fork of the backend's fork server, and has its cmdline
-            killed = [pid for pid, _ in tree(backend.environment_pids()[0])[1:] if FORK_SERVER_MODULE in command_line(pid)]
+            below = tree(backend.environment_pids()[0])[1:]
+            killed = [pid for pid, _ in below if FORK_SERVER_MODULE in command_line(pid)]
         if killed:
             os.kill(killed[0], signal.SIGKILL)
         request = RolloutRequest(episodes=[msgspec.convert(e, EpisodeSpec) for e in batch],

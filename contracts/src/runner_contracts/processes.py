@@ -76,17 +76,20 @@ def process_table() -> dict[int, tuple[int, str]]:
     table: dict[int, tuple[int, str]] = {}
     with contextlib.suppress(OSError):
         for entry in os.scandir(PROC):
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (PROC / entry.name / "stat").read_text()
-            except OSError:
-                continue
-            # pid (comm) state ppid ...; comm may hold spaces and parentheses
-            fields = stat.rsplit(")", 1)[-1].split()
-            if len(fields) > 19:
+            if entry.name.isdigit() and (fields := _stat(int(entry.name))):
                 table[int(entry.name)] = (int(fields[1]), fields[19])
     return table
+
+
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ... starttime at [19]); [] when the
+    process is gone."""
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return []
+    fields = stat.rsplit(")", 1)[-1].split()  # the command name may hold spaces and parentheses
+    return fields if len(fields) > 19 else []
 
 
 def _below(pid: int, table: dict[int, tuple[int, str]]) -> list[int]:
@@ -117,11 +120,8 @@ def tree(pid: int) -> list[tuple[int, str]]:
 
 def same_process(pid: int, start: str) -> bool:
     """Whether `pid` is still the process that started at `start`, and not a zombie."""
-    try:
-        fields = (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()
-    except OSError:
-        return False
-    return len(fields) > 19 and fields[19] == start and fields[0] not in ("Z", "X")
+    fields = _stat(pid)
+    return bool(fields) and fields[19] == start and fields[0] not in ("Z", "X")
 
 
 def kill_identified(processes: Iterable[tuple[int, str]]) -> None:
@@ -151,7 +151,8 @@ def kill_trees(pids: Iterable[int]) -> list[int]:
     """SIGKILLs each pid and every process below it and waits (bounded) until they have ended; returns the
     pids that were alive."""
     alive = [pid for pid in pids if not ended(pid)]
-    members = [member for pid in alive for member in (pid, *descendants(pid))]
+    table = process_table()
+    members = [member for pid in alive for member in (pid, *_below(pid, table))]
     _signal_all(members, signal.SIGKILL)
     _await_ended(members)
     return alive
@@ -172,10 +173,8 @@ def carrying(token: str) -> list[int]:
 
 def ended(pid: int) -> bool:
     """The process is gone, or a zombie (it has exited; only its exit status waits to be collected)."""
-    try:
-        return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
+    fields = _stat(pid)
+    return not fields or fields[0] in ("Z", "X")
 
 
 def _await_ended(pids: Iterable[int], timeout_s: float = 2.0) -> None:

@@ -203,7 +203,7 @@ class VerifiersBackend(RolloutBackend):
                 server.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 pass
-        kill_identified(processes)  # whatever outlived the teardown (identities checked, so a reused pid is left alone)
+        kill_identified(processes)  # whatever outlived the teardown (a pid reused since is left alone)
         server.process.kill()  # the launcher, should it outlive the env server
         server.process.wait()
         self._close_client(server)
@@ -246,7 +246,8 @@ class VerifiersBackend(RolloutBackend):
         client = self._call(self._connect(address), timeout=60)
         # The env serves only once its tool server answered (the fork server starts before), so both run now.
         processes = [(pid, start, command_line(pid)) for pid, start in tree(int(server_pid))]
-        helpers = [(pid, start) for pid, start, _ in processes[:1]]  # the env server (a fork: its fork server's cmdline)
+        # The env server first (a fork: it has its fork server's command line).
+        helpers = [(pid, start) for pid, start, _ in processes[:1]]
         # A forked tool server is the fork server's child: its launcher, which lives as long, stands for it.
         tool_modules = [TOOL_SERVER_MODULE] if kind == TASKS else self._native_tool_modules
         for module in [*tool_modules, FORK_SERVER_MODULE]:
