@@ -30,10 +30,9 @@ from runner_contracts import (
 )
 from runner_kit.continuity import chain_calls
 from runner_kit.policy_server import CallHold, PolicyServer
-from runner_kit.processes import freeze_heap
 from runner_kit.rollout import announce_policy, post_rollouts
 
-from .grpo import Recorder, get_item_id, task_rows, training_metrics
+from .grpo import Recorder, get_item_id, task_rows, train_to_the_end, training_metrics
 
 CONCURRENCY = 32  # episodes in flight: the policy server batches their calls (runner_kit.batching)
 
@@ -217,14 +216,7 @@ def train(request: StageRequest) -> StageResult:
     recorder = _recorder(request)
     trainer, bridge = build_bridge(request, Path(request.policy_dir), Path(request.out_dir) / "checkpoints",
                                    steps=steps, recorder=recorder)
-    freeze_heap()  # the imports and the loaded model: no full collection walks them mid-step
-    ok = False
-    try:
-        trainer.train(resume_from_checkpoint=request.resume_from)
-        ok = True
-    finally:
-        recorder.close(ok)
-        bridge.server.close(ok)
+    train_to_the_end(trainer, recorder, request.resume_from, close=bridge.server.close)
     return StageResult(stage=request.stage, files={**_files(), "checkpoints": "checkpoints"}, metrics={
         "steps": recorder.steps, "batches": bridge.batches, "policy_batching": bridge.server.sampler.evidence(),
         **training_metrics(trainer)})

@@ -28,6 +28,7 @@ from runner_contracts import (
     sha256_file,
 )
 from runner_kit.continuity import mask_runs
+from runner_kit.processes import freeze_heap
 
 from .chat_formats import with_response_parser
 from .checkpoints import completion_marker
@@ -272,6 +273,19 @@ def training_metrics(trainer) -> dict[str, Any]:
     return {"loss": [float(entry["loss"]) for entry in history],
             "grad_norm": [float(entry.get("grad_norm", 0.0)) for entry in history],
             "global_step": trainer.state.global_step}
+
+
+def train_to_the_end(trainer, recorder: Recorder, resume_from: str | None, close=lambda ok: None) -> None:
+    """`trainer.train()` with what start-up made out of the collector's reach; the recorder's files (and
+    `close`'s) are finalised if it returns and kept, marked partial, if it raises."""
+    freeze_heap()  # the imports and the loaded model: no full collection walks them mid-step
+    ok = False
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+        ok = True
+    finally:
+        recorder.close(ok)
+        close(ok)
 
 
 def run_episodes(trainer, rows: list[dict[str, Any]], batch_size: int = 16, sampling: SamplingSpec | None = None):

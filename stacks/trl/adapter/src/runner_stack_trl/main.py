@@ -18,7 +18,6 @@ from runner_contracts import (
     StageResult,
     sha256_file,
 )
-from runner_kit.processes import freeze_heap
 from runner_kit.tool_formats import malformed_call, render_tool_calls
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -214,7 +213,7 @@ def rollout(request: StageRequest) -> StageResult:
 
 def train(request: StageRequest) -> StageResult:
     """K GRPO steps (update), or the full budget (train); checkpoints every step with a completeness marker."""
-    from .grpo import build_trainer, training_metrics
+    from .grpo import build_trainer, train_to_the_end, training_metrics
 
     steps = request.steps or (request.plan.gates.update_steps if request.stage == "update"
                               else request.plan.budget.steps)
@@ -228,13 +227,7 @@ def train(request: StageRequest) -> StageResult:
     recorder = _recorder(request, checkpoint_dir)
     trainer = build_trainer(request.plan, Path(request.policy_dir), checkpoint_dir, steps=steps, recorder=recorder,
                             train_items=_train_rows(request))
-    freeze_heap()  # the imports and the loaded model: no full collection walks them mid-step
-    ok = False
-    try:
-        trainer.train(resume_from_checkpoint=request.resume_from)
-        ok = True
-    finally:
-        recorder.close(ok)
+    train_to_the_end(trainer, recorder, request.resume_from)
     return StageResult(stage=request.stage, metrics={"steps": recorder.steps, **training_metrics(trainer)},
                        files={"trajectories": "trajectories.jsonl", "training": "training.jsonl",
                               "checkpoints": "checkpoints"})
