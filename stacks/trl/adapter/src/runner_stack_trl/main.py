@@ -27,7 +27,6 @@ CAPABILITIES = ["grpo", "sft", "distill", "multi-turn-tools", "resume", "cpu", "
 
 def run(request: StageRequest) -> StageResult:
     use_plan(request.plan)  # a plan's native task (an environment stack's asset) is a family in this process
-    first_vector_math_calls()
     if request.options.get("rollout_service") and request.stage in ("rollout", "update", "train", "evaluate"):
         from . import (
             bridge,  # an environment-stack arm: episodes run in that stack's rollout service
@@ -50,21 +49,6 @@ def run(request: StageRequest) -> StageResult:
     if request.stage not in handlers:
         raise ValueError(f"trl adapter has no stage {request.stage!r}; it has {', '.join(handlers)}")
     return handlers[request.stage](request)
-
-
-def first_vector_math_calls() -> None:
-    """Makes the first call of each elementwise op that ATen hands to MKL's vector math (VML) on CPU, one element
-    on this thread, before any op runs on two threads. Measured (2026-12-07, torch 2.13 CPU): in ~1.4 % of trl
-    processes started as a job, the first forward's rotary table (`cos` of 16x69x32, split between the two
-    intra-op threads, each calling VML's `vmsCos`) came out ~12-bit accurate on one thread's half, the same
-    values every time, and the logprob gate or resume's final weights failed: 8 of 581 processes without these
-    calls, 0 of 200 with them (same launch, same machine). Presumably VML choosing its kernel on two threads at
-    once; not confirmed inside MKL."""
-    import torch
-
-    one = torch.ones(1)
-    for op in (torch.cos, torch.sin, torch.exp, torch.log, torch.tanh, torch.sqrt, torch.erf):
-        op(one)
 
 
 def missing_apis() -> dict[str, str]:
