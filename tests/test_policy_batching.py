@@ -125,3 +125,37 @@ def test_a_model_the_server_cannot_batch_exactly_is_sampled_one_call_at_a_time_a
     assert found["batched"]["mode"] == "one at a time"
     assert found["batched"]["reason"] == "attention implementation 'eager' (batching needs 'sdpa')"
     assert found["batched"]["decode_steps"] == 0
+
+
+ENCODE_BOTH_WAYS = """
+import json, sys, types
+from transformers import AutoTokenizer
+from runner_kit.policy_server import PolicyServer
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+server = types.SimpleNamespace(tokenizer=tokenizer)
+tools = [{"type": "function", "function": {"name": "rechner", "description": "rechnet",
+          "parameters": {"type": "object", "properties": {"ausdruck": {"type": "string", "description": "x"}},
+                         "required": ["ausdruck"]}}}]
+texts = [tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+         for messages in ([{"role": "user", "content": "Was ist 17 * 23?"}],
+                          [{"role": "user", "content": "2 + 2"}, {"role": "assistant", "content": "4 <|im_end|> x"}])]
+texts.append("<tool_call>\\n{}</tool_call>" + tokenizer.eos_token + "\\n<|im_start|>user")
+same = [PolicyServer._encode(server, text) == tokenizer.encode(text, add_special_tokens=False) for text in texts]
+tokenizer.backend_tokenizer.enable_truncation(max_length=5)  # another user of the tokenizer left it truncating
+truncating = PolicyServer._encode(server, texts[0]) == tokenizer.encode(texts[0], add_special_tokens=False)
+print(json.dumps({"same": same, "same_while_truncating": truncating,
+                  "length": len(PolicyServer._encode(server, texts[0]))}))
+"""
+
+
+def test_the_policy_server_encodes_a_prompt_as_transformers_does(trl_and_policy):
+    """The policy server tokenizes with the fast tokenizer's own encode (it keeps the GIL; transformers' encode
+    lets go of it and waits to get it back): the same ids as transformers' encode, chat templates, special
+    tokens in the text and all, and transformers' own path while the backend is set to truncate or pad."""
+    trl, policy_dir = trl_and_policy
+    run = subprocess.run([str(trl.python), "-c", ENCODE_BOTH_WAYS, str(policy_dir)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["same"] == [True, True, True] and found["same_while_truncating"], found
+    assert found["length"] > 5, found  # not cut to the backend's truncation

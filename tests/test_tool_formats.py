@@ -47,3 +47,23 @@ def test_rendered_calls_parse_back_and_a_malformed_call_is_content(tool_format):
 def test_an_unknown_format_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown tool-call format 'xml'; formats are hermes, llama3_json, mistral"):
         parse_tool_calls("x", "xml")
+
+
+def test_reply_ids_differ_between_a_process_and_its_forks():
+    """Chat-completion and tool-call ids come from the kit's own generator, seeded again in every fork: forks of a
+    fork server must not hand out the same ids."""
+    import os
+
+    from runner_kit.tool_formats import reply_id
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(write, reply_id(64).encode())
+        os._exit(0)
+    os.close(write)
+    forked = os.read(read, 64).decode()
+    os.waitpid(child, 0)
+    mine = reply_id(64)
+    assert len(mine) == len(forked) == 16 and int(forked, 16) >= 0
+    assert forked != mine

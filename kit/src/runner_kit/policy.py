@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import time
 import urllib.parse
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 from .http import Call, HttpError, JsonServer, Reply
+from .tool_formats import reply_id
 
 EPISODE_PREFIX = r"(?:/episodes/(?P<episode>[^/]+))?"
 CHAT_PATH = EPISODE_PREFIX + r"/v1/chat/completions"
@@ -69,7 +69,7 @@ def chat_completion(*, model: str, content: str | None, tool_calls: list[dict[st
     if want_logprobs and completion_ids is not None and logprobs is not None:
         choice["logprobs"] = {"content": token_logprobs(completion_ids, logprobs)}
     body: dict[str, Any] = {
-        "id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "object": "chat.completion", "created": int(time.time()),
+        "id": f"chatcmpl-{reply_id(64)}", "object": "chat.completion", "created": int(time.time()),
         "model": model, "choices": [choice],
         "usage": {"prompt_tokens": len(prompt_ids or []), "completion_tokens": len(completion_ids or []),
                   "total_tokens": len(prompt_ids or []) + len(completion_ids or [])},

@@ -235,6 +235,14 @@ class PolicyServer:
                                                   add_generation_prompt=generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
+        # transformers' encode() calls the fast tokenizer's encode_batch(), which lets go of the GIL and then waits
+        # for the sampler's thread to give it back (~2 ms a call in a train stage, for ~0.1 ms of work); the fast
+        # tokenizer's own encode() keeps it. The same ids while the backend is as transformers' encode() leaves
+        # it: no truncation, no padding, special tokens as the tokenizer says.
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if (backend is not None and backend.truncation is None and backend.padding is None
+                and backend.encode_special_tokens == bool(getattr(self.tokenizer, "split_special_tokens", False))):
+            return backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _prompt_ids(self, history: _EpisodeHistory, messages: list[dict[str, Any]], tools) -> list[int]:

@@ -13,8 +13,9 @@ malformed call reaches the environment as an answer and the scorer judges it."""
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
-import uuid
 from typing import Any, get_args
 
 from runner_contracts import ToolFormat
@@ -27,8 +28,20 @@ _MISTRAL = "[TOOL_CALLS]"
 _MARKER_TOKENS = {"hermes": "<tool_call>", "llama3_json": _PYTHON_TAG, "mistral": _MISTRAL}
 
 
+# Reply and tool-call ids are random, as OpenAI's are, from a generator of their own: uuid4 reads os.urandom,
+# which lets go of the GIL (a wait to get it back in the policy server's busy process), and the random
+# module's shared generator is the trainer's.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)  # forks of a fork server draw their own ids
+
+
+def reply_id(bits: int) -> str:
+    """A random hex id of `bits` bits (a multiple of 4), for chat completions and tool calls."""
+    return f"{_ids.getrandbits(bits):0{bits // 4}x}"
+
+
 def openai_call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+    return {"id": f"call_{reply_id(48)}", "type": "function",
             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
