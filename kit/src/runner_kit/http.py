@@ -52,10 +52,10 @@ class JsonServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
-            # A reply's headers and body go out in one write (flushed after the handler): every socket call
-            # lets go of the GIL, and in a busy process (the policy server beside its sampler) getting it back
-            # costs up to the 5 ms switch interval. Nagle off for the streamed chunks: with it, a keep-alive
-            # client waits ~40 ms for the delayed ACK.
+            # A reply's headers and body go out in one write (buffered, flushed after the handler; a body over
+            # 8 KiB in a second): every socket call lets go of the GIL, and in a busy process (the policy server
+            # beside its sampler) getting it back costs up to the 5 ms switch interval. Nagle off for the
+            # streamed chunks: with it, a keep-alive client waits ~40 ms for the delayed ACK.
             wbufsize = -1
             disable_nagle_algorithm = True
 
