@@ -241,7 +241,8 @@ class PolicyServer:
         # it: no truncation, no padding, special tokens as the tokenizer says.
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if (backend is not None and backend.truncation is None and backend.padding is None
-                and backend.encode_special_tokens == bool(getattr(self.tokenizer, "split_special_tokens", False))):
+                and getattr(backend, "encode_special_tokens", None)
+                == bool(getattr(self.tokenizer, "split_special_tokens", False))):
             return backend.encode(text, add_special_tokens=False).ids
         return self.tokenizer.encode(text, add_special_tokens=False)
 
