@@ -510,3 +510,33 @@ def test_a_client_that_hangs_up_before_its_reply_is_one_line_on_the_servers_stde
     finally:
         release.set()
         server.stop()
+
+
+def test_a_streamed_reply_reaches_the_client_event_by_event():
+    """Replies are written through a buffer (one write for headers and body), and a streamed reply's events
+    still leave one by one: the stream below sends its second event only once the client has read the first."""
+    import http.client
+
+    from runner_kit.http import JsonServer, Reply
+
+    first_read = threading.Event()
+
+    def events(call):
+        def chunks():
+            yield b"data: one\n\n"
+            assert first_read.wait(10), "the client never saw the first event"
+            yield b"data: [DONE]\n\n"
+        return Reply(stream=chunks())
+
+    server = JsonServer([("POST", "/stream", events)]).start()
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+        connection.request("POST", "/stream", body=b"{}", headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.getheader("Content-Type") == "text/event-stream"
+        assert response.readline() == b"data: one\n"  # within the timeout: not held in the buffer
+        first_read.set()
+        assert response.read() == b"\ndata: [DONE]\n\n"
+    finally:
+        first_read.set()
+        server.stop()
