@@ -236,7 +236,7 @@ class PolicyServer:
 
     def _encode(self, text: str) -> list[int]:
         # transformers' encode() calls the fast tokenizer's encode_batch(), which lets go of the GIL and then waits
-        # for the sampler's thread to give it back (~2 ms a call in a train stage, for ~0.1 ms of work); the fast
+        # for the sampler's thread to give it back (~2 ms a call in a train stage, for ~0.2 ms of work); the fast
         # tokenizer's own encode() keeps it. The same ids while the backend is as transformers' encode() leaves
         # it: no truncation, no padding, special tokens as the tokenizer says.
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
