@@ -85,7 +85,8 @@ def print_round(arms: dict[str, dict]) -> None:
         print(f"{name:16}{rate:>11.1f}{rate / trl_rate:>7.2f}{first:>16.1f}  "
               + (f"{server.get('calls')} calls ({server.get('prefills_shared')} from a shared prefill), "
                  f"{server.get('decode_steps')} steps, {server.get('mean_rows')} rows per step, "
-                 f"{server.get('mean_rows_per_attention_call')} per attention call, model {server.get('model_s')} s"
+                 f"{server.get('mean_rows_per_attention_call')} per attention call, model {server.get('model_s')} s "
+                 f"({server.get('model_cpu_s')} s of CPU)"
                  if server else "-"), flush=True)
 
 

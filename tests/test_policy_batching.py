@@ -51,6 +51,8 @@ def test_concurrent_episodes_sampled_batched_equal_one_at_a_time_bit_for_bit(trl
     # evidence to a caller that woke while the batcher still held the model in eval mode.
     for way in ("alone", "batched"):
         assert found[way]["idle_mode"]["eval"] == 0 and found[way]["idle_mode"]["train"] > 0, found[way]
+        # the sampler thread's own CPU: never more than the seconds it was measured over
+        assert 0 < found[way]["model_cpu_s"] <= found[way]["model_s"] + 0.002, found[way]
     batched = found["batched"]
     assert batched["mode"] == "batched" and "reason" not in batched, batched
     # Calls really shared decode steps: greedy, top-k and top-p calls side by side in one forward pass.
@@ -128,11 +130,10 @@ def test_a_model_the_server_cannot_batch_exactly_is_sampled_one_call_at_a_time_a
 
 
 ENCODE_BOTH_WAYS = """
-import json, sys, types
+import json, sys
 from transformers import AutoTokenizer
-from runner_kit.policy_server import PolicyServer
+from runner_kit.policy import encode_text
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
-server = types.SimpleNamespace(tokenizer=tokenizer)
 tools = [{"type": "function", "function": {"name": "rechner", "description": "rechnet",
           "parameters": {"type": "object", "properties": {"ausdruck": {"type": "string", "description": "x"}},
                          "required": ["ausdruck"]}}}]
@@ -140,18 +141,19 @@ texts = [tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, ad
          for messages in ([{"role": "user", "content": "Was ist 17 * 23?"}],
                           [{"role": "user", "content": "2 + 2"}, {"role": "assistant", "content": "4 <|im_end|> x"}])]
 texts.append("<tool_call>\\n{}</tool_call>" + tokenizer.eos_token + "\\n<|im_start|>user")
-same = [PolicyServer._encode(server, text) == tokenizer.encode(text, add_special_tokens=False) for text in texts]
+same = [encode_text(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False) for text in texts]
 tokenizer.backend_tokenizer.enable_truncation(max_length=5)  # another user of the tokenizer left it truncating
-while_truncating = PolicyServer._encode(server, texts[0])  # before transformers' encode turns truncation off
+while_truncating = encode_text(tokenizer, texts[0])  # before transformers' encode turns truncation off
 print(json.dumps({"same": same, "length": len(while_truncating),
                   "same_while_truncating": while_truncating == tokenizer.encode(texts[0], add_special_tokens=False)}))
 """
 
 
-def test_the_policy_server_encodes_a_prompt_as_transformers_does(trl_and_policy):
-    """The policy server tokenizes with the fast tokenizer's own encode (it keeps the GIL; transformers' encode
-    lets go of it and waits to get it back): the same ids as transformers' encode, chat templates, special
-    tokens in the text and all, and transformers' own path while the backend is set to truncate or pad."""
+def test_a_prompt_is_encoded_as_transformers_does(trl_and_policy):
+    """The policy server and verifiers' renderer tokenize with the fast tokenizer's own encode (`encode_text`: it
+    keeps the GIL; transformers' encode lets go of it and waits to get it back): the same ids as transformers'
+    encode, chat templates, special tokens in the text and all, and transformers' own path while the backend is
+    set to truncate or pad."""
     trl, policy_dir = trl_and_policy
     run = subprocess.run([str(trl.python), "-c", ENCODE_BOTH_WAYS, str(policy_dir)], capture_output=True, text=True,
                          timeout=300)

@@ -30,8 +30,8 @@ from runner_contracts import (
     Trajectory,
 )
 from runner_kit.continuity import chain_calls
-from runner_kit.http import HttpError, get_json, post_json
-from runner_kit.policy import openai_tools
+from runner_kit.http import Call, HttpError, get_json, post_json
+from runner_kit.policy import GENERATE_PATH, episode_base_url, episode_of, openai_tools
 from runner_kit.tool_formats import parse_tool_calls
 from runner_kit.reference_backend import ReferenceBackend
 from runner_kit.rollout import (
@@ -191,13 +191,27 @@ def test_policy_calls_need_an_episode_and_every_channel_works():
         assert refused.value.status == 400 and "attributed" in str(refused.value)
         endpoint = PolicyEndpoint(base_url=policy.base_url, model="m", sampling=SamplingSpec())
         post_json(policy.base_url + "/chat/completions", body, headers=endpoint.headers("ep/1"))
-        post_json(endpoint.episode_base_url("ep/1") + "/chat/completions", body)
+        post_json(episode_base_url(policy.base_url, "ep/1") + "/chat/completions", body)
         post_json(policy.base_url + "/chat/completions", {**body, "metadata": {"episode_id": "ep/1"}})
         # the refused call is kept too: the service stage's audit counts it as unattributed
         assert [c["channel"] for c in policy.calls] == ["none", "header", "path", "metadata"]
         assert [c["episode_id"] for c in policy.calls] == [None, "ep/1", "ep/1", "ep/1"]
         assert [(r.episode_id, r.index_in_episode) for r in policy.call_records()] == [
             (None, 0), ("ep/1", 0), ("ep/1", 1), ("ep/1", 2)]
+
+
+def test_a_token_in_token_out_call_names_its_episode_in_its_sampling_params():
+    """verifiers' TrainClient sends nothing of a rollout's own but its sampling config, as sampling_params: the
+    episode id travels there (one shared client for every rollout), and the body's own metadata comes first."""
+    def call(body):
+        return Call("POST", "/inference/v1/generate", re.fullmatch(GENERATE_PATH, "/inference/v1/generate"), {}, body)
+
+    params = {"temperature": 1.0, "metadata": {"episode_id": "ep/2~attempt-2"}}
+    assert episode_of(call({"token_ids": [1], "sampling_params": params})) == ("ep/2~attempt-2", "metadata")
+    assert episode_of(call({"metadata": {"episode_id": "ep/1"}, "sampling_params": params})) == ("ep/1", "metadata")
+    for unnamed in ({"token_ids": [1], "sampling_params": {"metadata": {}}}, {"sampling_params": [1]},
+                    {"sampling_params": {"metadata": "ep/2"}}, [1, 2]):
+        assert episode_of(call(unnamed)) == (None, "none")
 
 
 def _policy_call(index: int) -> PolicyCall:

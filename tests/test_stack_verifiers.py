@@ -133,8 +133,9 @@ def test_scripted_episodes_score_as_the_reference(env, tmp_path):
         calls = list(policy.calls)
     assert [r["episode_id"] for r in results] == [e.episode_id for e in [*episodes, cut]]
     *results, truncated = results
-    # Every policy call names its episode in the URL path (the per-episode base URL).
-    assert {c["episode_id"] for c in calls} == set(scripts) and {c["channel"] for c in calls} == {"path"}
+    # Every policy call names its episode in its body's metadata (the rollout's sampling config, one client for
+    # all rollouts).
+    assert {c["episode_id"] for c in calls} == set(scripts) and {c["channel"] for c in calls} == {"metadata"}
     assert_scores_as_reference(results, cases)
     # Only the family's own tools, with exactly the declared schemas, reach the policy.
     for call in calls:
@@ -184,10 +185,9 @@ class TokenScriptedPolicy:
         self.scripts, self.calls, self.lock = scripts, [], threading.Lock()
         self.server = JsonServer([("GET", MODELS_PATH, self._models), ("POST", GENERATE_PATH, self._generate)])
 
-    def _models(self, call):
-        episode, channel = require_episode(call)
+    def _models(self, call):  # as the policy server's: no episode needed
         with self.lock:
-            self.calls.append({"endpoint": "models", "episode_id": episode, "channel": channel})
+            self.calls.append({"endpoint": "models", "path": call.path})
         return Reply(body=models_body(self.model))
 
     def _generate(self, call):
@@ -269,7 +269,10 @@ def test_token_in_token_out_episodes(env, tmp_path):
     out = json.loads(run.stdout.splitlines()[-1])
     assert_scores_as_reference(out["results"], cases)
     generate = [c for c in out["calls"] if c["endpoint"] == "generate"]
-    assert {c["channel"] for c in out["calls"]} == {"path"} and {c["episode_id"] for c in generate} == set(cases)
+    # One client for every rollout: the models lookup happens once, at the shared base URL, and each call names
+    # its episode in its sampling params' metadata.
+    assert [c for c in out["calls"] if c["endpoint"] == "models"] == [{"endpoint": "models", "path": "/v1/models"}]
+    assert {c["channel"] for c in generate} == {"metadata"} and {c["episode_id"] for c in generate} == set(cases)
     for episode_id in cases:
         mine = [c for c in generate if c["episode_id"] == episode_id]
         assert mine[0]["prompt_ids"] == out["first_prompts"][episode_id]

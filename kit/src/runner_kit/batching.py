@@ -422,7 +422,7 @@ class BatchingSampler:
         self.model, self.eos_ids, self.max_rows = model, eos_ids, max_rows
         self.threads = CPU_THREADS if model.device.type == "cpu" else torch.get_num_threads()
         self.stats = {"calls": 0, "decode_steps": 0, "rows_decoded": 0, "max_rows": 0, "prefills_shared": 0,
-                      "attention_calls": 0, "model_s": 0.0}  # attention_calls: per layer, in decode steps
+                      "attention_calls": 0, "model_s": 0.0, "model_cpu_s": 0.0}  # attention_calls: per layer
         self._rowwise = _Rowwise(model)
         self._shared = _SharedPrefills(model)
         self._cache_name = _cache_keyword(model)
@@ -446,7 +446,7 @@ class BatchingSampler:
                 **({"attention": f"one row at a time: {self._rowwise.attention_refused}"
                     if self._rowwise.attention_refused else "rows of one length together"}
                    if self.mode == "batched" else {}),
-                "model_s": round(self.stats["model_s"], 3),
+                "model_s": round(self.stats["model_s"], 3), "model_cpu_s": round(self.stats["model_cpu_s"], 3),
                 "mean_rows": round(self.stats["rows_decoded"] / steps, 2) if steps else 0.0,
                 "mean_rows_per_attention_call": (round(self.stats["rows_decoded"] / self.stats["attention_calls"], 2)
                                                  if self.stats["attention_calls"] else 0.0)}
@@ -465,9 +465,10 @@ class BatchingSampler:
             call.done.wait()
         else:
             with self._lock, _intra_op_threads(self.threads), self._inference():
-                started = time.monotonic()
+                started, cpu = time.monotonic(), time.thread_time()
                 self._alone(call)
                 self.stats["model_s"] += time.monotonic() - started
+                self.stats["model_cpu_s"] += time.thread_time() - cpu
         if call.error is not None:
             raise call.error
         return call.ids, call.logprobs, call.finish or "length"
@@ -518,7 +519,7 @@ class BatchingSampler:
                         call.end(None, RuntimeError("the policy server closed during the call"))
                         call.done.set()
                 return
-            started = time.monotonic()
+            started, cpu = time.monotonic(), time.thread_time()
             touched = list(active)
             with _intra_op_threads(self.threads), self._inference():
                 admitted = []
@@ -549,6 +550,7 @@ class BatchingSampler:
                             call.end(None, error)
                         active, cache = [], None
             self.stats["model_s"] += time.monotonic() - started
+            self.stats["model_cpu_s"] += time.thread_time() - cpu
             for call in touched:  # answered once the model is back in the trainer's mode
                 if call.ended:
                     call.done.set()

@@ -32,11 +32,13 @@ from .policy import (
     canonical_messages,
     canonical_tools,
     chat_completion,
+    encode_text,
     episode_of,
     policy_endpoints,
     split_attempt,
     stream_chunks,
     token_logprobs,
+    UNATTRIBUTED,
 )
 from .tool_formats import completion_text, parse_tool_calls
 
@@ -224,8 +226,7 @@ class PolicyServer:
             self._log(PolicyCall(call_id=f"unattributed#{number}", episode_id=None, channel="none",
                                  endpoint=endpoint, index_in_episode=0, policy_revision=self.revision,
                                  prompt_ids=[], completion_ids=[], logprobs=[], finish_reason="refused"))
-            raise HttpError(400, "policy call cannot be attributed to an episode: send header X-Episode-ID, "
-                                 "body metadata.episode_id, or call through /episodes/<id>/v1")
+            raise HttpError(400, UNATTRIBUTED)
         return episode, channel
 
     # --- endpoints -------------------------------------------------------------------------------------
@@ -233,18 +234,6 @@ class PolicyServer:
     def _render(self, messages: list[dict[str, Any]], tools, *, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                   add_generation_prompt=generation_prompt)
-
-    def _encode(self, text: str) -> list[int]:
-        # transformers' encode() calls the fast tokenizer's encode_batch(), which lets go of the GIL and then waits
-        # for the sampler's thread to give it back (~2 ms a call in a train stage, for ~0.2 ms of work); the fast
-        # tokenizer's own encode() keeps it. The same ids while the backend is as transformers' encode() leaves
-        # it: no truncation, no padding, special tokens as the tokenizer says.
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if (backend is not None and backend.truncation is None and backend.padding is None
-                and getattr(backend, "encode_special_tokens", None)
-                == bool(getattr(self.tokenizer, "split_special_tokens", False))):
-            return backend.encode(text, add_special_tokens=False).ids
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _prompt_ids(self, history: _EpisodeHistory, messages: list[dict[str, Any]], tools) -> list[int]:
         known = len(history.messages)
@@ -254,8 +243,8 @@ class PolicyServer:
             if after.startswith(before):
                 eos_text = self.tokenizer.eos_token
                 glue = before[before.rfind(eos_text) + len(eos_text):] if eos_text in before else ""
-                return history.ids + self._encode(glue + after[len(before):])
-        return self._encode(self._render(messages, tools, generation_prompt=True))
+                return history.ids + encode_text(self.tokenizer, glue + after[len(before):])
+        return encode_text(self.tokenizer, self._render(messages, tools, generation_prompt=True))
 
     def _chat(self, call: Call) -> Reply:
         body = call.body or {}

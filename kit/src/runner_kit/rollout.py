@@ -28,7 +28,6 @@ import platform
 import sys
 import threading
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,11 +119,6 @@ class PolicyEndpoint:
             raise RuntimeError(f"policy server unreachable: {error}") from None
         choice = reply["choices"][0]
         return choice["message"], choice.get("finish_reason") or ""
-
-    def episode_base_url(self, episode_id: str) -> str:
-        """A base URL that names the episode in its path, for clients that cannot add headers."""
-        root = self.base_url.removesuffix("/").removesuffix("/v1")
-        return f"{root}/episodes/{urllib.parse.quote(episode_id, safe='')}/v1"
 
 
 class RolloutBackend:

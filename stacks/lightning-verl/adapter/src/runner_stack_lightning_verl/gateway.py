@@ -18,8 +18,8 @@ import argparse
 import logging
 import socket
 import sys
-import urllib.parse
 
+from runner_kit.policy import episode_base_url
 from runner_kit.processes import freeze_heap
 
 from .verl_launch import hydra_string
@@ -39,9 +39,7 @@ def episode_router_class():
             episode = extra.get("episode_id")
             if not episode:  # a rollout the adapter did not enqueue: the policy server refuses it (HTTP 400)
                 return server
-            root = server.endpoint.rstrip("/").removesuffix("/v1")
-            endpoint = f"{root}/episodes/{urllib.parse.quote(str(episode), safe='')}/v1"
-            return server.model_copy(update={"endpoint": endpoint})
+            return server.model_copy(update={"endpoint": episode_base_url(server.endpoint, str(episode))})
 
     return EpisodeProxyRouter
 

@@ -10,9 +10,11 @@ calls the reference scorer. The tool server is a fork of the backend's fork serv
 verifiers starts it as `sys.executable -m MODULE`, and the env server's `sys.executable` is the fork server's
 launcher. A plan's native asset (a team's taskset package) gets an env server of its own, loaded by verifiers'
 `load_environment`, and its tasks' own rewards score its episodes; our taskset's server then starts only when an
-episode of our families (the retention probe) comes. The client config is per episode: its base URL names the
-episode (http://127.0.0.1:PORT/episodes/<id>/v1), TrainClient (token-in/token-out with the policy's local
-tokenizer) when the endpoint has a tokenizer_dir, EvalClient (relay to /v1/chat/completions) otherwise.
+episode of our families (the retention probe) comes. Every rollout of a stage gets the same client config (the
+policy's base URL), so the interception server builds one model client for them all: TrainClient (token-in/
+token-out with the policy's local tokenizer) when the endpoint has a tokenizer_dir, EvalClient (relay to
+/v1/chat/completions) otherwise. The episode id travels in the rollout's sampling config, as `metadata`, which
+TrainClient sends as sampling_params.metadata and EvalClient as the body's metadata.
 """
 
 from __future__ import annotations
@@ -45,16 +47,12 @@ from .envserver import RENDERER_MODULES, TOOL_PYTHON_VARIABLE
 
 READY_TIMEOUT_S = 180.0
 POLL_S = 0.2
-# Verifiers' interception server keeps one model client per distinct client config until it stops (~0.85 MB
-# each), and the config is per episode (its base URL names the episode), so the env server is replaced
-# once it has served this many episodes, at a moment no episode is in flight.
-RECYCLE_AFTER_EPISODES = 500
 # Trace errors that mean the environment (not the policy or the episode) failed; the episode is retried.
 ENVIRONMENT_ERRORS = {"ToolsetError", "SandboxError"}
 ENV_SERVER_MODULE = "runner_stack_verifiers.envserver"
 TOOL_SERVER_MODULE = "runner_stack_verifiers.toolset"
 # Env servers and their tool servers are forks of one fork server that imported these (verifiers, ~3 s of a
-# cold start, each) when the backend started: a restart after a crash, or a recycled server, starts in ~0.1 s.
+# cold start, each) when the backend started: a restart after a crash starts in ~0.1 s.
 ENV_SERVER_MODULES = ["verifiers.v1", "verifiers.v1.serve.pool", "verifiers.v1.serve.server",
                       "runner_stack_verifiers.taskset", *RENDERER_MODULES]
 # What a tool server imports once it runs (verifiers' `_serve`, uvicorn's loop and protocol).
@@ -74,7 +72,6 @@ class _EnvServer:
     process: subprocess.Popen
     address: str
     client: Any  # verifiers.v1.serve.client.EnvClient, owned by the backend's event loop
-    served: int = 0
     # (pid, start time) of the processes every rollout needs: the env server, its shared MCP tool server and,
     # unless disabled, the chat program's fork server (its children, the running chat programs, die with it).
     helpers: list[tuple[int, str]] = field(default_factory=list)
@@ -96,21 +93,20 @@ class VerifiersBackend(RolloutBackend):
     upstream_name = "verifiers"
     capabilities = ["multi-turn-tools", "stateful-tools", "mcp-tools", "concurrent-episodes", "environment-restart",
                     "cpu", "reward:reference-scorer", "token-capture:policy-server", "token-in-token-out",
-                    "episode-id:path", "native-assets"]
-    # TrainClient GETs /episodes/<id>/v1/models, then POSTs /episodes/<id>/inference/v1/generate; EvalClient
-    # posts /episodes/<id>/v1/chat/completions. Every call also carries verifiers' X-Session-ID (its trace id).
-    episode_id_channel = "path /episodes/<id>/v1 (per-episode base URL)"
+                    "episode-id:metadata", "native-assets"]
+    # TrainClient GETs /v1/models once per policy, then POSTs /inference/v1/generate; EvalClient posts
+    # /v1/chat/completions. Every call also carries verifiers' X-Session-ID (its trace id).
+    episode_id_channel = ("sampling config metadata.episode_id: TrainClient's sampling_params.metadata, "
+                          "EvalClient's body metadata")
 
     def __init__(self, max_concurrent: int | None = None, log_dir: str | Path | None = None,
-                 recycle_after: int = RECYCLE_AFTER_EPISODES, native: NativeAsset | None = None,
+                 native: NativeAsset | None = None,
                  max_turns: int = 3) -> None:
         self.max_concurrent = max_concurrent
-        self.recycle_after = recycle_after
         self.native = native
         self.max_turns = max_turns  # a native taskset's turn cap (our tasks carry their own)
         self._native_tasks: dict[str, Any] | None = None  # task id -> the native taskset's task
         self._native_tool_modules: list[str] = []  # the modules of its toolsets' MCP servers
-        self._in_flight = 0
         self.log_dir = Path(log_dir) if log_dir is not None else Path.cwd()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -296,24 +292,13 @@ class VerifiersBackend(RolloutBackend):
         kind = NATIVE if native else TASKS
         with self._lock:
             server = self._servers.get(kind)
-            if server is not None and server.alive() and server.served >= self.recycle_after and not self._in_flight:
-                del self._servers[kind]
-                self._retire(server)
-                server = self._spawn(kind)
-                self._servers[kind] = server
-            elif server is None and kind == TASKS:
+            if server is None and kind == TASKS:
                 server = self._ensure(TASKS)  # a native plan's retention probe: our taskset, started on first use
             if server is None or not server.alive():
                 raise EnvironmentDown("the verifiers env server is not running")
-            server.served += 1
-            self._in_flight += 1
-        try:
-            started = time.monotonic()
-            task_data = self._native_task_data(item) if native else None
-            wire = self._call(self._run(server, episode, policy, task_data))
-        finally:
-            with self._lock:
-                self._in_flight -= 1
+        started = time.monotonic()
+        task_data = self._native_task_data(item) if native else None
+        wire = self._call(self._run(server, episode, policy, task_data))
         if (wire.errors or any(trace.errors for trace in wire.traces)) and not server.alive():
             raise EnvironmentDown("the verifiers env server or its tool server died during episode "
                                   f"{episode.episode_id}")
@@ -341,7 +326,7 @@ class VerifiersBackend(RolloutBackend):
             task = task_for(TaskItem.from_json(episode.item), episode.max_turns, episode_id=episode.episode_id)
             task_data = task.data.model_dump(mode="json")
         run = asyncio.ensure_future(server.client.run(
-            client=client_config(policy, episode.episode_id), model=policy.model,
+            client=client_config(policy), model=policy.model,
             sampling=sampling_config(policy, episode), task_data=task_data))
         while True:
             done, _ = await asyncio.wait({run}, timeout=POLL_S)
@@ -360,17 +345,16 @@ class VerifiersBackend(RolloutBackend):
             raise
 
 
-def client_config(policy: PolicyEndpoint, episode_id: str):
-    """The episode's model client: its base URL names the episode (the policy server's path channel)."""
+def client_config(policy: PolicyEndpoint):
+    """The model client of every rollout against `policy`: one config, so verifiers' interception server builds
+    one client (an HTTP client and its SSL context, ~20 ms of CPU) for them all, not one per rollout."""
     import verifiers.v1 as vf
     from renderers.configs import CustomRendererConfig
 
     from .renderer import import_path
 
-    base_url = policy.episode_base_url(episode_id)
     # api_key_var names an unset variable: the key is "EMPTY" and no hosted-service credential is read.
-    common = {"base_url": base_url, "api_key_var": "RUNNER_POLICY_API_KEY",
-              "headers": {"Connection": "close"}}
+    common = {"base_url": policy.base_url, "api_key_var": "RUNNER_POLICY_API_KEY"}
     if policy.tokenizer_dir:
         return vf.TrainClientConfig(**common, renderer=CustomRendererConfig(import_path=import_path(policy.tool_format)),
                                     renderer_model_name=policy.tokenizer_dir)
@@ -378,10 +362,12 @@ def client_config(policy: PolicyEndpoint, episode_id: str):
 
 
 def sampling_config(policy: PolicyEndpoint, episode: EpisodeSpec):
+    """The rollout's sampling config; its extras name the episode (`metadata`, the policy server's metadata
+    channel) and its seed."""
     import verifiers.v1 as vf
 
     spec = policy.sampling
-    extra: dict[str, Any] = {"seed": episode.seed}
+    extra: dict[str, Any] = {"seed": episode.seed, "metadata": {"episode_id": episode.episode_id}}
     if spec.top_k:
         extra["top_k"] = spec.top_k
     return vf.SamplingConfig(temperature=spec.temperature, top_p=spec.top_p, max_tokens=spec.max_new_tokens, **extra)

@@ -25,7 +25,7 @@ from renderers.base import (
 from jinja2 import TemplateError
 from renderers.configs import BaseRendererConfig, DefaultRendererConfig
 from renderers.default import DefaultRenderer
-from runner_kit.policy import canonical_messages, canonical_tools
+from runner_kit.policy import canonical_messages, canonical_tools, encode_text
 from runner_kit.tool_formats import completion_text, parse_tool_calls
 
 
@@ -79,7 +79,8 @@ class PolicyTemplateRenderer(DefaultRenderer):
                                                    tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def _encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        # on a renderer-pool thread, beside the env server's event loop: the encode that keeps the GIL
+        return encode_text(self._tokenizer, text)
 
     def parse_response(self, token_ids: list[int], *, tools=None, prompt_ids=None) -> ParsedResponse:
         ids = [token for token in token_ids if token not in self._turn_close_ids]
