@@ -161,3 +161,46 @@ def test_a_prompt_is_encoded_as_transformers_does(trl_and_policy):
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert found["same"] == [True, True, True] and found["same_while_truncating"], found
     assert found["length"] > 5, found  # not cut to the backend's truncation
+
+
+# A module that replaces a buffer in its forward pass (as a dynamic rotary embedding re-registers inv_freq) and a
+# training pass that saves that buffer for backward: the final norm's output times a `scale` buffer.
+BUFFER_REPLACED = """
+import json, sys, threading, torch
+from transformers import AutoModelForCausalLM
+from runner_kit.batching import BatchingSampler
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+model.train()
+norm = model.model.norm
+norm.register_buffer("scale", torch.ones(model.config.hidden_size), persistent=False)
+forward = norm.forward
+def scaled(hidden):
+    if torch.is_inference_mode_enabled():
+        norm.register_buffer("scale", torch.ones_like(norm.scale), persistent=False)
+    return forward(hidden) * norm.scale
+norm.forward = scaled
+sampler = BatchingSampler(model, {0}, max_rows=8)
+threads = [threading.Thread(target=sampler.sample, args=([5 + n, 6, 7],),
+                            kwargs=dict(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=0, seed=n, greedy=False))
+           for n in range(3)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+sampler.close()
+ids = torch.tensor([[1, 2, 3, 4]])
+model(input_ids=ids, labels=ids).loss.backward()
+print(json.dumps({"mode": sampler.mode, "decode_steps": sampler.stats["decode_steps"],
+                  "inference_buffers": [name for name, b in model.named_buffers() if b.is_inference()],
+                  "trained": model.lm_head.weight.grad is not None, "training": model.training}))
+"""
+
+
+def test_a_buffer_the_samplers_forward_replaced_does_not_reach_the_trainer_as_an_inference_tensor(trl_and_policy):
+    """The sampler runs under torch.inference_mode; a buffer its forward pass replaced would be an inference
+    tensor, which autograd cannot save for backward: the trainer's next backward pass would fail."""
+    trl, policy_dir = trl_and_policy
+    run = subprocess.run([str(trl.python), "-c", BUFFER_REPLACED, str(policy_dir)], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["mode"] == "batched" and found["decode_steps"] > 0, found
+    assert found == {**found, "inference_buffers": [], "trained": True, "training": True}
