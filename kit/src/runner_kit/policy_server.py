@@ -29,6 +29,7 @@ from runner_contracts import JsonlWriter, PolicyCall, SamplingSpec
 from .batching import MAX_ROWS, BatchingSampler
 from .http import Call, HttpError, Reply
 from .policy import (
+    UNATTRIBUTED,
     canonical_messages,
     canonical_tools,
     chat_completion,
@@ -38,7 +39,6 @@ from .policy import (
     split_attempt,
     stream_chunks,
     token_logprobs,
-    UNATTRIBUTED,
 )
 from .tool_formats import completion_text, parse_tool_calls
 
